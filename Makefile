@@ -1,0 +1,19 @@
+# The two commands of the README: `make demo` (set up, run the main job) and `make test` (set up, run the tests).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test setup
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml requirements-dev.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	touch $@
+
+demo: setup
+	$(BIN)/ltmp flops --model deit_small_patch16_224
+
+test: setup
+	$(BIN)/python -m pytest -q tests

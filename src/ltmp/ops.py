@@ -1,0 +1,254 @@
+"""Pure tensor functions of LTMP (Bonnaerens & Dambre, TMLR 2023, section 3).
+
+Equation numbers follow the order of the paper's LaTeX source:
+
+- eq. 1-3: threshold masking module (hard mask, sigmoid surrogate, recursive mask),
+- eq. 4-7: attention, attention with mask, masked softmax, attention logits,
+- eq. 16-17: class attention and mean column attention importance scores.
+
+Every function works on a *padded* token set: ``keep`` (B, N) is 1 for surviving tokens and 0 for tokens that
+were pruned, merged away, or are padding. Decisions only ever look at surviving tokens, so the same function gives
+the same decisions whether removed tokens are still in the tensor (train mode) or gathered out (eval mode).
+Nothing here knows about timm.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def threshold_mask(scores: Tensor, threshold: Tensor, tau: float) -> Tensor:
+    """Threshold masking module, eq. 1-2, as a straight-through estimator.
+
+    Forwards the hard mask ``scores > threshold`` (eq. 1); backwards the gradient of
+    ``sigmoid((scores - threshold) / tau)`` (eq. 2). The form ``hard + (soft - soft.detach())`` makes the
+    forward value exactly 0 or 1 (``soft - soft.detach()`` is exactly zero), so train and eval decide alike.
+
+    Args:
+        scores: Any shape.
+        threshold: A scalar (usually an ``nn.Parameter``).
+        tau: Temperature of the sigmoid surrogate.
+
+    Returns:
+        Mask of the shape of ``scores``, in the promoted dtype of scores and threshold.
+    """
+    hard = (scores > threshold).to(torch.result_type(scores, threshold))  # (...)
+    if not (torch.is_grad_enabled() and (scores.requires_grad or threshold.requires_grad)):
+        return hard
+    soft = torch.sigmoid((scores - threshold) / tau)  # (...)
+    return hard + (soft - soft.detach())
+
+
+def masked_attention(
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float,
+        keep: Tensor | None,
+        log_size: Tensor | None,
+        dropout: torch.nn.Module | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention with a multiplicative key mask and proportional attention, eq. 5-7.
+
+    ``S_ij = exp(A_ij) m_j / sum_k exp(A_ik) m_k`` (eq. 6) with ``A = QK^T / sqrt(d) + log(size)`` (eq. 7 plus
+    ToMe's proportional attention). The result equals attention computed with the masked keys removed: no eps
+    leaks probability to removed tokens. The mask multiplies, so gradients reach it (a ``-inf`` fill would pass
+    none). For finite results in fp16/bf16 the softmax runs in fp32 with the row max taken over *kept* keys only;
+    masked keys' exponents are clamped at that max (their forward weight is zero anyway, this only bounds the
+    surrogate gradient they pass to their mask).
+
+    Args:
+        q, k, v: (B, H, N, D).
+        scale: Multiplier of ``q @ k^T``.
+        keep: (B, N) 0/1 (straight-through) mask of surviving keys, or None when all survive.
+        log_size: (B, N) log of the token sizes, or None when all sizes are 1.
+        dropout: Attention dropout module applied to the probabilities.
+
+    Returns:
+        out (B, H, N, D) and the attention probabilities S (B, H, N, N), in fp32 (or float64 for float64 inputs).
+    """
+    attn = (q * scale) @ k.transpose(-2, -1)  # (B, H, N, N)
+    attn = attn.to(torch.promote_types(attn.dtype, torch.float32))  # fp16/bf16 -> fp32, float64 stays
+    if log_size is not None:
+        attn = attn + log_size[:, None, None, :].to(attn.dtype)  # (B, H, N, N)
+    if keep is None:
+        probs = attn.softmax(dim=-1)  # (B, H, N, N)
+    else:
+        kept = (keep > 0.5)[:, None, None, :]  # (B, 1, 1, N)
+        row_max = attn.masked_fill(~kept, float("-inf")).amax(dim=-1, keepdim=True).detach()  # (B, H, N, 1)
+        z = attn - row_max  # (B, H, N, N)
+        z = torch.where(kept, z, z.clamp(max=0.0))
+        e = z.exp() * keep[:, None, None, :].to(z.dtype)  # (B, H, N, N)
+        probs = e / e.sum(dim=-1, keepdim=True)  # (B, H, N, N)
+    p = dropout(probs) if dropout is not None else probs
+    out = p.to(v.dtype) @ v  # (B, H, N, D)
+    return out, probs
+
+
+def importance_scores(probs: Tensor, keep: Tensor | None, kind: str) -> Tensor:
+    """Token importance from the attention probabilities.
+
+    - ``"mean"``: mean column attention, eq. 17: ``s_i = 1/(h n) sum_heads sum_k S_hki``, averaged over heads and
+      over the *surviving* query rows k (prefix rows included, unweighted).
+    - ``"cls"``: class attention, eq. 16: ``s_i = sum_heads S_h0i`` (sums over heads, so its scale differs).
+
+    Args:
+        probs: (B, H, N, N) attention probabilities of eq. 6.
+        keep: (B, N) survivors (None: all).
+        kind: ``"mean"`` or ``"cls"``.
+
+    Returns:
+        (B, N) scores.
+    """
+    if kind == "cls":
+        return probs[:, :, 0, :].sum(dim=1)  # (B, N)
+    col = probs.mean(dim=1)  # (B, N, N)
+    if keep is None:
+        return col.mean(dim=1)  # (B, N)
+    rows = (keep > 0.5).to(col.dtype)  # (B, N)
+    return (rows[:, :, None] * col).sum(dim=1) / rows.sum(dim=1, keepdim=True)  # (B, N)
+
+
+def bipartite_sets(keep: Tensor, num_prefix: int) -> tuple[Tensor, Tensor]:
+    """The alternating A/B split of ToMe over the surviving tokens, in their order.
+
+    Survivors are numbered 0, 1, 2, ... in sequence order, prefix tokens included (as ToMe does in the first
+    block); even ranks form set A, odd ranks set B. Prefix tokens are then taken out of both sets: they are never
+    merged away and never a merge target.
+
+    Args:
+        keep: (B, N) survivors.
+        num_prefix: Number of prefix tokens at the front of the sequence.
+
+    Returns:
+        Boolean masks ``is_a`` and ``is_b``, each (B, N).
+    """
+    alive = keep > 0.5  # (B, N)
+    rank = alive.long().cumsum(dim=1) - 1  # (B, N)
+    mergeable = alive.clone()
+    mergeable[:, :num_prefix] = False
+    even = rank % 2 == 0  # (B, N)
+    return mergeable & even, mergeable & ~even
+
+
+def best_match(metric: Tensor, is_a: Tensor, is_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Similarity score of each A token: its highest cosine similarity with any B token (ToMe).
+
+    Args:
+        metric: (B, N, D) keys averaged over heads.
+        is_a, is_b: (B, N) set masks from :func:`bipartite_sets`.
+
+    Returns:
+        ``score`` (B, N), -inf outside set A or where B is empty; ``dst`` (B, N) index of the best B token
+        (the first one on ties).
+    """
+    m = metric / metric.norm(dim=-1, keepdim=True)  # (B, N, D)
+    sim = m @ m.transpose(-1, -2)  # (B, N, N)
+    sim = sim.masked_fill(~is_b[:, None, :], float("-inf"))
+    score, dst = sim.max(dim=-1)  # (B, N), (B, N)
+    score = score.masked_fill(~is_a, float("-inf"))
+    return score, dst
+
+
+def topk_mask(scores: Tensor, candidates: Tensor, k: Tensor, largest: bool) -> Tensor:
+    """Select the ``k`` highest (or lowest) scoring candidates per image.
+
+    Ties are broken by sequence position, which padding never changes.
+
+    Args:
+        scores: (B, N).
+        candidates: (B, N) bool, tokens that may be selected.
+        k: (B,) how many to select per image (clamped to the number of candidates).
+
+    Returns:
+        (B, N) bool mask of the selected tokens.
+    """
+    fill = float("-inf") if largest else float("inf")
+    s = scores.detach().to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~candidates, fill)
+    order = torch.sort(s, dim=1, descending=largest, stable=True).indices  # (B, N)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(s.shape[1], device=s.device).expand_as(order))
+    return (rank < k[:, None]) & candidates  # (B, N)
+
+
+def merge_tokens(
+        x: Tensor,
+        size: Tensor,
+        merge: Tensor,
+        dst: Tensor,
+        extra: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Merge every token with ``merge == 1`` into its destination as a size-weighted average.
+
+    ``x_dst <- (size_dst x_dst + sum_a size_a x_a) / (size_dst + sum_a size_a)`` and the sizes add up. The
+    (straight-through) merge mask multiplies the weights, so gradients reach the merge thresholds. Tokens that
+    receive nothing are returned bit-identical.
+
+    Args:
+        x: (B, N, C) tokens.
+        size: (B, N) how many patches each token stands for.
+        merge: (B, N) 0/1 mask of the tokens merged away (straight-through values allowed).
+        dst: (B, N) destination index of each token.
+        extra: Optional (B, N, K) per-token rows that are summed (not averaged) into the destination, e.g. the
+            source map of which patches a token covers.
+
+    Returns:
+        The new x (B, N, C), size (B, N) and extra (B, N, K).
+    """
+    dt = torch.promote_types(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
+    xs = x.to(dt)
+    w = merge.to(dt) * size  # (B, N)
+    den = size.to(dt).scatter_add(1, dst, w)  # (B, N)
+    num = (xs * size[..., None]).scatter_add(1, dst[..., None].expand_as(xs), xs * w[..., None])  # (B, N, C)
+    received = torch.zeros_like(w).scatter_add(1, dst, merge.detach().to(dt)) > 0  # (B, N)
+    x = torch.where(received[..., None], (num / den[..., None]).to(x.dtype), x)  # (B, N, C)
+    if extra is not None:
+        hard = (merge.detach() > 0.5).to(extra.dtype)
+        extra = extra.scatter_add(1, dst[..., None].expand_as(extra), extra * hard[..., None])  # (B, N, K)
+    return x, den.to(size.dtype), extra
+
+
+def group_max(scores: Tensor, merge: Tensor, dst: Tensor) -> Tensor:
+    """A merged token's importance is the max over its group (as in the reference code).
+
+    Args:
+        scores: (B, N).
+        merge: (B, N) merged-away mask.
+        dst: (B, N) destinations.
+
+    Returns:
+        (B, N) scores with each destination raised to its group's max.
+    """
+    src = scores.masked_fill(merge.detach() <= 0.5, float("-inf"))  # (B, N)
+    return scores.scatter_reduce(1, dst, src, reduce="amax", include_self=True)
+
+
+def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
+    """Gather each image's surviving tokens to the front, in order, padded to the longest set in the batch.
+
+    Padding is zero-filled. This is O(B N) (a cumulative sum and a scatter), without sorting.
+
+    Args:
+        keep: (B, N) survivors.
+        tensors: Tensors of shape (B, N, ...) to compact alike (None passes through).
+
+    Returns:
+        The new keep (B, N') and the compacted tensors (B, N', ...).
+    """
+    alive = keep > 0.5  # (B, N)
+    counts = alive.sum(dim=1)  # (B,)
+    n_new = int(counts.max())  # the one host synchronisation compaction needs
+    B, N = alive.shape
+    if B == 1:
+        idx = alive[0].nonzero().squeeze(1)  # (N',)
+        return keep.new_ones(1, n_new), [None if t is None else t[:, idx] for t in tensors]
+    pos = torch.where(alive, alive.long().cumsum(dim=1) - 1, n_new)  # (B, N); removed tokens go to a dump slot
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        shape = (B, n_new + 1) + t.shape[2:]
+        index = pos.view(B, N, *([1] * (t.dim() - 2))).expand_as(t)
+        out.append(t.new_zeros(shape).scatter_(1, index, t)[:, :n_new])
+    new_keep = (torch.arange(n_new, device=keep.device)[None, :] < counts[:, None]).to(keep.dtype)  # (B, N')
+    return new_keep, out

@@ -1,0 +1,142 @@
+"""Learned thresholds are the whole learned state of LTMP: save and load them alone, in safetensors.
+
+A threshold file holds one scalar per block and kind (``blocks.<i>.merge_threshold``, ``blocks.<i>.prune_threshold``)
+and metadata: method, tau, importance, depth, embed dim, prefix tokens, patch grid, image size and (for
+information only) the model name. It is a few hundred bytes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .timm_patch import THRESHOLD_NAMES, patch
+
+FORMAT = "ltmp-thresholds"
+VERSION = "1"
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+def model_name(model: nn.Module) -> str:
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return str(cfg.get("architecture") or type(model).__name__)
+
+
+def describe(model: nn.Module) -> dict[str, str]:
+    """The metadata that says which models a threshold file fits."""
+    model = _unwrap(model)
+    pe = model.patch_embed
+    return {
+        "depth": str(len(model.blocks)),
+        "embed_dim": str(model.embed_dim),
+        "num_prefix_tokens": str(model.num_prefix_tokens),
+        "patch_grid": "x".join(str(g) for g in pe.grid_size),
+        "img_size": "x".join(str(s) for s in pe.img_size),
+        "model": model_name(model),
+    }
+
+
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """Write a file atomically: ``write(tmp_path)`` then rename over ``path``; a crash leaves no partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def threshold_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The learned thresholds of a patched model, by parameter name (``blocks.<i>.<kind>_threshold``)."""
+    model = _unwrap(model)
+    return {name: p.detach().float().cpu().reshape(()) for name, p in model.named_parameters()
+            if name.endswith(THRESHOLD_NAMES)}
+
+
+def save_thresholds(model: nn.Module, path: str | os.PathLike, extra: dict[str, str] | None = None) -> None:
+    """Save a patched model's thresholds and their metadata to a safetensors file, atomically."""
+    from safetensors.torch import save_file
+
+    model = _unwrap(model)
+    cfg = getattr(model, "ltmp_config", None)
+    if cfg is None or not cfg.learned:
+        raise ValueError("save_thresholds needs a model patched with a learned-threshold method "
+                         "(ltmp, ltpm, ltm, ltp)")
+    meta = {"format": FORMAT, "version": VERSION, "method": cfg.method, "tau": repr(cfg.tau),
+            "importance": cfg.importance, **describe(model), **(extra or {})}
+    tensors = {k: v.contiguous() for k, v in threshold_tensors(model).items()}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+
+
+def read_thresholds(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a threshold file: its tensors and metadata. Raises ValueError with the fix on a bad file."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"thresholds file {path} does not exist; pass the thresholds.safetensors written by "
+                         f"'ltmp train'")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types for corrupt files
+        raise ValueError(f"cannot read thresholds file {path} ({type(e).__name__}: {e}); pass a "
+                         f"thresholds.safetensors written by 'ltmp train'") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an ltmp thresholds file (no '{FORMAT}' metadata); pass a "
+                         f"thresholds.safetensors written by 'ltmp train'")
+    return tensors, meta
+
+
+def load_thresholds(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Patch ``model`` with the method recorded in a threshold file and set its thresholds.
+
+    Raises:
+        ValueError: the file is unreadable, or was made for a model of another depth, width or prefix count.
+
+    Warns when the patch grid (image size) differs: importance scores scale with the token count.
+    """
+    tensors, meta = read_thresholds(path)
+    target = _unwrap(model)
+    have = describe(target)
+    for key in ("depth", "embed_dim", "num_prefix_tokens"):
+        if meta.get(key) != have[key]:
+            raise ValueError(
+                f"thresholds in {path} were made for another model ({meta.get('model')}: depth {meta.get('depth')}, "
+                f"embed dim {meta.get('embed_dim')}, {meta.get('num_prefix_tokens')} prefix tokens); this model "
+                f"({have['model']}) has depth {have['depth']}, embed dim {have['embed_dim']}, "
+                f"{have['num_prefix_tokens']} prefix tokens; use thresholds trained for this model")
+    if meta.get("patch_grid") != have["patch_grid"]:
+        warnings.warn(f"thresholds in {path} were trained on a {meta.get('patch_grid')} patch grid "
+                      f"({meta.get('img_size')} px) and this model uses {have['patch_grid']} ({have['img_size']} px); "
+                      f"importance scores scale with the token count, so the reduction will differ", stacklevel=2)
+    trace = getattr(getattr(target, "ltmp_config", None), "trace_source", False)
+    patch(target, meta["method"], tau=float(meta["tau"]), importance=meta["importance"], trace_source=trace)
+    params = dict(target.named_parameters())
+    expected = {n for n in params if n.endswith(THRESHOLD_NAMES)}
+    if set(tensors) != expected:
+        raise ValueError(f"thresholds in {path} do not match method '{meta['method']}' on this model "
+                         f"(missing {sorted(expected - set(tensors))[:3]}, extra {sorted(set(tensors) - expected)[:3]})")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value.reshape(()))
+    return model
+
+
+def metadata_json(path: str | os.PathLike) -> str:
+    """The metadata of a threshold file as JSON (for printing)."""
+    return json.dumps(read_thresholds(path)[1], indent=2, sort_keys=True)

@@ -1,0 +1,327 @@
+"""Applies LTMP to timm ``VisionTransformer`` models. The only module that knows timm's internals.
+
+``patch`` swaps the model's class for a subclass whose ``forward`` threads a token state through the blocks (no
+shared mutable dict), and adds each block's learned thresholds as ``nn.Parameter``s named ``merge_threshold`` and
+``prune_threshold``. The block weights and their names are untouched, so plain timm checkpoints still load.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import ops
+from .flops import ViTSpec
+from .reduce import METHODS, ReduceConfig, StepResult, TokenState, initial_state, log_size, reduce_step
+
+SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token' or 'avg' pooling "
+             "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*)")
+THRESHOLD_NAMES = ("merge_threshold", "prune_threshold")
+
+
+@dataclasses.dataclass
+class Record:
+    """The record of the last forward of a patched model, overwritten by every forward (read with ltmp.stats).
+
+    All per-layer tensors are (B, L): one row per image, one column per block.
+    """
+
+    method: str  # the patched method
+    merged: Tensor  # (B, L) tokens merged away in each block
+    pruned: Tensor  # (B, L) tokens pruned in each block
+    kept: Tensor  # (B, L) patch tokens left after each block
+    keep_frac: Tensor  # (B, L + 1) fraction of patch tokens kept, m-bar of eq. 13 (column 0 is 1); differentiable
+    padded: list[int]  # (L + 1) tokens in the tensor entering each block and leaving the last (executed compute)
+    num_patches: int  # n of eq. 13
+    num_prefix: int  # prefix tokens, always kept
+    sources: list[Tensor] | None = None  # per block (B, N_l, n) patch membership of each token, if traced
+    keeps: list[Tensor] | None = None  # per block (B, N_l) survivors, if traced
+
+
+def _tname(obj) -> str:
+    return type(obj).__name__
+
+
+def _check_supported(model: nn.Module, cfg: ReduceConfig) -> None:
+    from timm.layers import Attention
+    from timm.models.vision_transformer import Block, VisionTransformer
+
+    if not isinstance(model, VisionTransformer):
+        kind = _tname(model)
+        why = ""
+        if "Eva" in kind or "Rope" in kind or "rope" in kind.lower():
+            why = " (rotary position attention)"
+        elif "RelPos" in kind or "Beit" in kind:
+            why = " (relative-position attention)"
+        raise TypeError(f"ltmp.patch cannot handle {kind}{why}; it supports {SUPPORTED}")
+    if getattr(model, "attn_pool", None) is not None:
+        raise TypeError(f"ltmp.patch cannot handle attention-pool heads (global_pool='{model.global_pool}', MAP); "
+                        f"it supports {SUPPORTED}")
+    if model.global_pool not in ("token", "avg"):
+        raise TypeError(f"ltmp.patch cannot handle global_pool='{model.global_pool}'; it supports {SUPPORTED}")
+    for i, blk in enumerate(model.blocks):
+        if type(blk).forward is not Block.forward:
+            raise TypeError(f"ltmp.patch cannot handle block {i} of type {_tname(blk)}; it supports {SUPPORTED}")
+        if type(blk.attn).forward is not Attention.forward:
+            raise TypeError(f"ltmp.patch cannot handle attention {_tname(blk.attn)} in block {i} (rotary, "
+                            f"relative-position and other attention variants are not supported); "
+                            f"it supports {SUPPORTED}")
+    if cfg.importance == "cls" and cfg.needs_importance and getattr(model, "cls_token", None) is None:
+        raise ValueError("importance='cls' (class attention, eq. 16) needs a class token and this model has none; "
+                         "use importance='mean'")
+
+
+def _rate(value: int | Sequence[int] | None, depth: int, name: str) -> tuple[int, ...]:
+    if value is None:
+        raise ValueError(f"this method needs {name}=: tokens per layer, an int or a list of {depth} ints")
+    rates = (int(value),) * depth if isinstance(value, (int, float)) else tuple(int(v) for v in value)
+    if len(rates) != depth or any(r < 0 for r in rates):
+        raise ValueError(f"{name}= must be a non-negative int or a list of {depth} non-negative ints, got {value}")
+    return rates
+
+
+def patch(
+        model: nn.Module,
+        method: str = "ltmp",
+        *,
+        tau: float = 0.1,
+        importance: str = "mean",
+        merge_threshold: float = 0.9,
+        prune_threshold: float = 0.0,
+        r: int | Sequence[int] | None = None,
+        k: int | Sequence[int] | None = None,
+        trace_source: bool = False,
+) -> nn.Module:
+    """Make a timm VisionTransformer reduce its tokens with LTMP or a fixed-rate baseline, in place.
+
+    In train mode every token stays in the tensor behind a straight-through keep mask (differentiable w.r.t. the
+    thresholds, eq. 1-3, 5-7); in eval mode the same decisions really remove the tokens.
+
+    Args:
+        model: A timm ``VisionTransformer`` (also DeiT distilled, register and class-token-free variants).
+        method: ``ltmp`` | ``ltpm`` | ``ltm`` | ``ltp`` (learned thresholds) or ``tome`` | ``topk-prune`` |
+            ``topk-mp`` (fixed rate).
+        tau: Temperature of the sigmoid surrogate gradient (eq. 2).
+        importance: ``"mean"`` (mean column attention, eq. 17) or ``"cls"`` (class attention, eq. 16).
+        merge_threshold: Initial merge threshold of every block (cosine similarity; ``inf`` merges nothing).
+        prune_threshold: Initial prune threshold of every block (importance; ``-inf`` prunes nothing).
+        r: ToMe's tokens merged per layer (int or per-layer list).
+        k: Top-k baselines' tokens pruned (and merged, for ``topk-mp``) per layer.
+        trace_source: Record which patches each token covers after every block (for visualization).
+
+    Returns:
+        The same model object, patched.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
+    if importance not in ("mean", "cls"):
+        raise ValueError(f"unknown importance '{importance}'; choose 'mean' (eq. 17) or 'cls' (eq. 16)")
+    if getattr(model, "ltmp_config", None) is not None:
+        unpatch(model)
+    depth = len(model.blocks) if hasattr(model, "blocks") else 0
+    cfg = ReduceConfig(method=method, tau=float(tau), importance=importance,
+                       num_prefix=int(getattr(model, "num_prefix_tokens", 0)), trace_source=trace_source)
+    _check_supported(model, cfg)
+    if cfg.learned:
+        if r is not None or k is not None:
+            raise ValueError(f"method '{method}' learns thresholds; r= and k= belong to tome/topk-prune/topk-mp")
+    elif method == "tome":
+        cfg.rate = _rate(r, depth, "r")
+    else:
+        cfg.rate = _rate(k, depth, "k")
+    cfg.keep_one = model.global_pool == "avg" or cfg.num_prefix == 0
+
+    ref = next(model.parameters())
+    for blk in model.blocks:
+        if cfg.learned and "merge" in cfg.ops:
+            blk.merge_threshold = nn.Parameter(torch.tensor(float(merge_threshold), device=ref.device))
+        if cfg.learned and "prune" in cfg.ops:
+            blk.prune_threshold = nn.Parameter(torch.tensor(float(prune_threshold), device=ref.device))
+    model.ltmp_config = cfg
+    model.ltmp_record = None
+    model._ltmp_hook = model.register_load_state_dict_post_hook(_allow_missing_thresholds)
+    model.__class__ = _patched_class(type(model))
+
+    does_nothing = (cfg.rate is not None and not any(cfg.rate)) or (
+        cfg.learned and ("merge" not in cfg.ops or merge_threshold == math.inf)
+        and ("prune" not in cfg.ops or prune_threshold == -math.inf))
+    if does_nothing:
+        warnings.warn(f"ltmp.patch(method='{method}') reduces no tokens with these settings "
+                      f"(r/k of 0, or thresholds merge=+inf and prune=-inf)", stacklevel=2)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Restore the plain timm model: its class, and no threshold parameters."""
+    if getattr(model, "ltmp_config", None) is None:
+        return model
+    for blk in model.blocks:
+        for name in THRESHOLD_NAMES:
+            if name in blk._parameters:
+                del blk._parameters[name]
+    model._ltmp_hook.remove()
+    for name in ("ltmp_config", "ltmp_record", "_ltmp_hook"):
+        delattr(model, name)
+    model.__class__ = model.__class__._ltmp_base
+    return model
+
+
+def _allow_missing_thresholds(module: nn.Module, incompatible) -> None:
+    """A plain timm state dict (without thresholds) still loads strictly into a patched model."""
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if not k.endswith(THRESHOLD_NAMES)]
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _patched_class(base: type) -> type:
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"LTMP{base.__name__}", (_PatchedViT, base), {"_ltmp_base": base})
+    return _CLASSES[base]
+
+
+class _PatchedViT:
+    """Mixin placed in front of the model's own class by :func:`patch`."""
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        return _features(self, x)[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        x, state = _features(self, x)
+        return _head(self, x, state)
+
+
+def _features(model, x: Tensor) -> tuple[Tensor, TokenState]:
+    cfg: ReduceConfig = model.ltmp_config
+    x = model.patch_embed(x)
+    x = model._pos_embed(x)
+    x = model.patch_drop(x)
+    x = model.norm_pre(x)  # (B, N, C)
+    n = x.shape[1] - cfg.num_prefix
+    state = initial_state(x, cfg.num_prefix, compact=not model.training, trace_source=cfg.trace_source)
+    steps: list[StepResult] = []
+    padded = [x.shape[1]]
+    sources, keeps = ([], []) if cfg.trace_source else (None, None)
+    for i, blk in enumerate(model.blocks):
+        x, state, step = _block(blk, x, state, cfg, i)
+        steps.append(step)
+        padded.append(x.shape[1])
+        if sources is not None:
+            sources.append(state.source[:, :, cfg.num_prefix:])
+            keeps.append(state.keep > 0.5)
+    x = model.norm(x)
+    ones = x.new_ones(x.shape[0], dtype=state.keep.dtype)
+    model.ltmp_record = Record(
+        method=cfg.method,
+        merged=torch.stack([s.merged for s in steps], 1),
+        pruned=torch.stack([s.pruned for s in steps], 1),
+        kept=torch.stack([s.kept for s in steps], 1),
+        keep_frac=torch.stack([ones] + [s.kept_frac / n for s in steps], 1),
+        padded=padded, num_patches=n, num_prefix=cfg.num_prefix, sources=sources, keeps=keeps)
+    return x, state
+
+
+def _head(model, x: Tensor, state: TokenState) -> Tensor:
+    if model.global_pool != "avg":
+        return model.forward_head(x)  # class (and distillation) tokens never move: timm's head works as is
+    w = state.size * (state.keep > 0.5)  # (B, N) size-weighted mean over surviving tokens
+    if not model.pool_include_prefix:
+        x, w = x[:, model.num_prefix_tokens:], w[:, model.num_prefix_tokens:]
+    x = (x * w[..., None].to(x.dtype)).sum(1) / w.sum(1, keepdim=True).to(x.dtype)  # (B, C)
+    x = model.fc_norm(x)
+    x = model.head_drop(x)
+    return model.head(x)
+
+
+def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
+    """timm ``Block.forward`` with the reduction step between attention and MLP (paper Figure 2)."""
+    attn = blk.attn
+    y = blk.norm1(x)  # (B, N, C)
+    B, N, _ = y.shape
+    gate = attn.gate(y).sigmoid() if getattr(attn, "gate", None) is not None else None
+    qkv = attn.qkv(y).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
+    q, k, v = qkv.unbind(0)  # (B, H, N, D) each
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    keep = state.keep if state.masked_once else None
+    ls = log_size(state)
+    probs = None
+    if cfg.needs_importance or not attn.fused_attn or (keep is not None and keep.requires_grad):
+        o, probs = ops.masked_attention(q, k, v, attn.scale, keep, ls, attn.attn_drop)  # (B, H, N, D)
+    else:  # hard masks only: a fused kernel with an additive bias does the same
+        bias = None
+        if keep is not None or ls is not None:
+            bias = ls if ls is not None else torch.zeros_like(state.size)
+            if keep is not None:
+                bias = bias.masked_fill(keep <= 0.5, float("-inf"))
+            bias = bias[:, None, None, :].to(q.dtype)  # (B, 1, 1, N)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                           dropout_p=attn.attn_drop.p if attn.training else 0.0)
+    o = o.transpose(1, 2).reshape(B, N, attn.attn_dim)  # (B, N, C)
+    o = getattr(attn, "norm", nn.Identity())(o)
+    if gate is not None:
+        o = o * gate
+    o = attn.proj_drop(attn.proj(o))
+    x = x + blk.drop_path1(blk.ls1(o))  # (B, N, C)
+    metric = k.mean(1) if cfg.needs_metric else None  # (B, N, D)
+    x, state, step = reduce_step(x, state, cfg, layer, probs, metric, getattr(blk, "merge_threshold", None),
+                                 getattr(blk, "prune_threshold", None))
+    x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))  # (B, N', C)
+    return x, state, step
+
+
+def vit_spec(model: nn.Module, count_norm: bool = True) -> ViTSpec:
+    """Per-token and per-pair multiply-accumulate counts of a timm ViT, in fvcore's convention.
+
+    Linear layers count in*out MACs per token, the patch-embedding convolution its kernel MACs per patch, the two
+    attention matmuls ``attn_dim`` MACs per (query, key) pair each, and LayerNorm 5 (4 without affine) per element,
+    as fvcore does. Element-wise ops, softmax and GELU count nothing.
+
+    Args:
+        model: A timm VisionTransformer (patched or not).
+        count_norm: Count LayerNorms (fvcore does; ``torch.utils.flop_counter`` does not).
+    """
+
+    def linear_macs(mod: nn.Module) -> float:
+        return float(sum(m.in_features * m.out_features for m in mod.modules() if isinstance(m, nn.Linear)))
+
+    def norm_macs(mod: nn.Module) -> float:
+        if not count_norm:
+            return 0.0
+        total = 0.0
+        for m in mod.modules():
+            if isinstance(m, nn.LayerNorm):
+                total += (5 if m.elementwise_affine else 4) * math.prod(m.normalized_shape)
+        return total
+
+    blocks = list(model.blocks)
+    pe = model.patch_embed.proj
+    n = model.patch_embed.num_patches
+    embed = n * pe.out_channels * (pe.in_channels // pe.groups) * math.prod(pe.kernel_size)
+    embed += n * norm_macs(model.patch_embed)
+    attn_token, mlp_token, pair = [], [], []
+    for blk in blocks:
+        a = blk.attn
+        heads_norm = a.num_heads * (norm_macs(a.q_norm) + norm_macs(a.k_norm))
+        other = norm_macs(getattr(a, "norm", nn.Identity()))
+        attn_token.append(norm_macs(blk.norm1) + linear_macs(a) + heads_norm + other)
+        pair.append(2.0 * a.attn_dim)
+        mlp_token.append(norm_macs(blk.norm2) + linear_macs(blk.mlp) + norm_macs(blk.mlp))
+    num_classes = getattr(model, "num_classes", 0)
+    heads = linear_macs(model.head) + linear_macs(getattr(model, "head_dist", nn.Identity()))
+    return ViTSpec(
+        num_patches=n,
+        num_prefix=int(model.num_prefix_tokens),
+        embed_dim=int(model.embed_dim),
+        mlp_hidden=int(blocks[0].mlp.fc1.out_features) if hasattr(blocks[0].mlp, "fc1") else 4 * model.embed_dim,
+        macs_embed=float(embed),
+        macs_attn_token=attn_token,
+        macs_attn_pair=pair,
+        macs_mlp_token=mlp_token,
+        macs_final_token=norm_macs(model.norm),
+        macs_head=norm_macs(model.fc_norm) + heads if num_classes else norm_macs(model.fc_norm),
+    )

@@ -1,0 +1,146 @@
+"""The pure tensor functions of ltmp.ops against their definitions (paper eq. 1-7, 16-17, ToMe's merging)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ltmp import ops
+
+
+def qkv(B=2, H=3, N=9, D=4, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, N, D, generator=g, dtype=dtype) * 2 for _ in range(3)]
+
+
+def reference_attention(q, k, v, scale, keep, size):
+    """Attention computed per image on the kept tokens only (keys removed)."""
+    outs, probs = [], []
+    for b in range(q.shape[0]):
+        idx = keep[b].nonzero().squeeze(1)
+        a = (q[b] * scale) @ k[b][:, idx].transpose(-1, -2) + size[b, idx].log()
+        p = a.softmax(-1)
+        outs.append(p @ v[b][:, idx])
+        full = torch.zeros(q.shape[1], q.shape[2], q.shape[2], dtype=p.dtype)
+        full[:, :, idx] = p
+        probs.append(full)
+    return torch.stack(outs), torch.stack(probs)
+
+
+def test_threshold_mask_is_hard_forward_and_sigmoid_backward():
+    s = torch.tensor([0.1, 0.5, 0.5000001, 0.9], dtype=torch.float64)
+    theta = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    m = ops.threshold_mask(s, theta, tau=0.1)
+    assert m.tolist() == [0.0, 0.0, 1.0, 1.0]  # eq. 1: strictly greater keeps
+    m.sum().backward()
+    sig = torch.sigmoid((s - 0.5) / 0.1)
+    assert torch.allclose(theta.grad, -(sig * (1 - sig) / 0.1).sum(), atol=1e-12)  # eq. 2
+
+
+def test_threshold_mask_forward_is_exactly_zero_or_one_with_grad():
+    s = torch.rand(1000, requires_grad=True)
+    m = ops.threshold_mask(s, torch.tensor(0.3, requires_grad=True), tau=0.1)
+    assert set(m.detach().unique().tolist()) <= {0.0, 1.0}
+
+
+def test_masked_attention_equals_attention_with_tokens_removed():
+    q, k, v = qkv()
+    keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1], [1, 0, 1, 1, 1, 1, 0, 1, 0]], dtype=torch.float64)
+    size = torch.tensor([[1, 2, 1, 3, 1, 1, 1, 2, 1], [1, 1, 4, 1, 1, 2, 1, 1, 1]], dtype=torch.float64)
+    out, probs = ops.masked_attention(q, k, v, 0.5, keep, size.log())
+    ref_out, ref_probs = reference_attention(q, k, v, 0.5, keep.bool(), size)
+    assert torch.allclose(out, ref_out, atol=1e-12, rtol=0), (out - ref_out).abs().max()
+    assert torch.allclose(probs, ref_probs, atol=1e-12, rtol=0)
+    assert probs[..., keep[0] == 0][:1].abs().max() == 0  # no eps leaks to removed keys
+
+
+def test_masked_attention_passes_gradient_to_the_mask():
+    q, k, v = qkv()
+    keep_soft = torch.full((2, 9), 0.3, dtype=torch.float64, requires_grad=True)
+    hard = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1]] * 2, dtype=torch.float64)
+    keep = hard + (keep_soft - keep_soft.detach())
+    out, _ = ops.masked_attention(q, k, v, 0.5, keep, None)
+    out.pow(2).sum().backward()
+    assert keep_soft.grad[hard == 0].abs().min() > 0  # removed keys' masks receive gradient too
+    assert torch.isfinite(keep_soft.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_masked_attention_finite_when_a_masked_key_holds_the_row_max(dtype):
+    q, k, v = qkv(dtype=torch.float64)
+    k[:, :, 2] = q.mean(2) * 400  # key 2 dominates every row ...
+    keep = torch.ones(2, 9, dtype=torch.float64)
+    keep[:, 2] = 0  # ... and is masked
+    keep_grad = keep.clone().requires_grad_(True)
+    out, _ = ops.masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.5, keep_grad.to(dtype), None)
+    out.float().sum().backward()
+    ref, _ = reference_attention(q, k, v, 0.5, keep.bool(), torch.ones(2, 9, dtype=torch.float64))
+    assert torch.isfinite(out).all() and torch.isfinite(keep_grad.grad).all()
+    tol = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 2e-2}[dtype]
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=0), (out.double() - ref).abs().max()
+
+
+def test_mean_column_importance_averages_surviving_rows_only():
+    q, k, v = qkv()
+    keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1]] * 2, dtype=torch.float64)
+    _, probs = ops.masked_attention(q, k, v, 0.5, keep, None)
+    s = ops.importance_scores(probs, keep, "mean")
+    idx = keep[0].bool()
+    ref = probs[:, :, idx][:, :, :, idx].mean(1).mean(1)  # eq. 17 on the kept tokens only
+    assert torch.allclose(s[:, idx], ref, atol=1e-12)
+    assert torch.allclose(s[:, idx].sum(1), torch.ones(2, dtype=torch.float64))
+    cls = ops.importance_scores(probs, keep, "cls")
+    assert torch.allclose(cls, probs[:, :, 0].sum(1))  # eq. 16: summed over heads
+
+
+def test_bipartite_split_alternates_over_survivors_and_skips_prefix():
+    keep = torch.tensor([[1, 1, 0, 1, 1, 0, 0, 1, 1]], dtype=torch.float32)
+    a, b = ops.bipartite_sets(keep, num_prefix=2)
+    # survivors 0,1,3,4,7,8 have ranks 0..5; prefix 0 (A) and 1 (B) are excluded
+    assert a.nonzero()[:, 1].tolist() == [3, 7]
+    assert b.nonzero()[:, 1].tolist() == [4, 8]
+
+
+def test_best_match_picks_the_most_similar_b_token_first_on_ties():
+    metric = torch.tensor([[[1.0, 0], [1.0, 0], [0, 1.0], [1.0, 0.1], [2.0, 0]]])
+    is_a = torch.tensor([[False, False, True, False, True]])
+    is_b = torch.tensor([[False, True, False, True, False]])
+    score, dst = ops.best_match(metric, is_a, is_b)
+    assert dst[0, 4] == 1 and score[0, 4] == pytest.approx(1.0)
+    assert score[0, 0] == float("-inf") and score[0, 1] == float("-inf")
+
+
+def test_merge_is_size_weighted_and_sizes_add_up():
+    x = torch.tensor([[[1.0, 0.0], [3.0, 3.0], [5.0, 1.0], [7.0, 7.0]]], dtype=torch.float64)
+    size = torch.tensor([[1.0, 2.0, 3.0, 1.0]], dtype=torch.float64)
+    merge = torch.tensor([[0.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    dst = torch.tensor([[0, 0, 0, 3]])
+    src = torch.eye(4, dtype=torch.float64)[None]
+    new_x, new_size, new_src = ops.merge_tokens(x, size, merge, dst, src)
+    assert new_size.tolist() == [[6.0, 2.0, 3.0, 1.0]]
+    expect = (1 * x[0, 0] + 2 * x[0, 1] + 3 * x[0, 2]) / 6
+    assert torch.allclose(new_x[0, 0], expect)
+    assert torch.equal(new_x[0, 3], x[0, 3])  # untouched tokens are bit-identical
+    assert new_src[0, 0].tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_group_max_raises_destination_to_group_max():
+    s = torch.tensor([[0.1, 0.5, 0.2, 0.9]])
+    merge = torch.tensor([[0.0, 1.0, 0.0, 1.0]])
+    dst = torch.tensor([[0, 0, 2, 2]])
+    assert ops.group_max(s, merge, dst)[0].tolist() == pytest.approx([0.5, 0.5, 0.9, 0.9])
+
+
+def test_topk_mask_selects_k_lowest_candidates_ties_by_position():
+    s = torch.tensor([[0.3, 0.1, 0.1, 0.5, 0.0]])
+    cand = torch.tensor([[False, True, True, True, True]])
+    assert ops.topk_mask(s, cand, torch.tensor([2]), largest=False).tolist() == [[False, True, False, False, True]]
+    assert ops.topk_mask(s, cand, torch.tensor([9]), largest=True).sum() == 4
+
+
+def test_compact_keeps_order_and_zero_pads():
+    keep = torch.tensor([[1, 0, 1, 1], [0, 1, 0, 0]], dtype=torch.float32)
+    x = torch.arange(8, dtype=torch.float32).view(2, 4, 1) + 1
+    new_keep, (new_x, none) = ops.compact(keep, x, None)
+    assert none is None
+    assert new_keep.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert new_x[..., 0].tolist() == [[1, 3, 4], [6, 0, 0]]
