@@ -1,31 +1,48 @@
-"""The ``ltmp`` command: a thin argparse layer over the library."""
+"""The ``ltmp`` command: a thin argparse layer over the library (``python -m ltmp`` is the same)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import warnings
+from pathlib import Path
 
 
 class CLIError(Exception):
     """A user error: printed as one line, exit code 2, no traceback."""
 
 
-def _create_model(name: str, pretrained: bool = False, checkpoint: str | None = None):
-    import timm
-
+def _rates(text: str | None):
+    if text is None:
+        return None
     try:
-        model = timm.create_model(name, pretrained=pretrained)
-    except RuntimeError as e:
-        if "Unknown model" in str(e) or "not found" in str(e):
-            raise CLIError(f"unknown model '{name}'; list models with: python -c \"import timm; "
-                           f"print(timm.list_models('vit*'))\"") from None
-        raise
-    return model
+        vals = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise CLIError(f"--r/--k takes an int or a comma-separated list of ints per layer, got '{text}'") from None
+    return vals[0] if len(vals) == 1 else vals
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="timm model name (deit_small_patch16_224) or local-dir:PATH")
+    p.add_argument("--pretrained", action="store_true", help="load timm's pretrained (or the local-dir) weights")
+    p.add_argument("--checkpoint", help="weights file: timm, torch or safetensors state dict")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", required=True,
+                   help="ImageFolder root with train/ and val/ splits, or a .tar.gz archive of that layout")
+    p.add_argument("--val-split", default="val", help="validation split folder (CIFAR-10 layout: test)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=2, help="data loader processes")
+    p.add_argument("--amp", action="store_true", help="mixed precision: bf16 on the CPU, fp16 on CUDA")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
 
 
 def cmd_flops(args) -> int:
     import ltmp
+    from .train import create_model
 
-    model = _create_model(args.model)
+    model = create_model(args.model)
     spec = ltmp.vit_spec(model)
     print(f"{args.model}: {ltmp.dense_gmacs(spec):.3f} GMACs per image (fvcore convention, LayerNorm included), "
           f"{spec.num_patches} patches + {spec.num_prefix} prefix tokens, depth {spec.depth}, "
@@ -33,19 +50,153 @@ def cmd_flops(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from .train import TrainConfig, train
+
+    cfg = TrainConfig(
+        model=args.model, pretrained=args.pretrained, checkpoint=args.checkpoint, data_dir=args.data_dir,
+        output=args.output, r_target=args.r_target, method=args.method, importance=args.importance, tau=args.tau,
+        lam=args.lam, lr_prune=args.lr_prune, lr_merge=args.lr_merge, merge_init=args.merge_init,
+        prune_init=args.prune_init, batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
+        val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
+        augment=args.augment, amp=args.amp, seed=args.seed, checkpoint_every=args.checkpoint_every,
+        workers=args.workers, device=args.device, eval_after=not args.no_eval)
+    result = train(cfg, resume=args.resume, progress=not args.quiet)
+    if "thresholds" in result:
+        print(f"thresholds: {result['thresholds']}  (steps {result['steps']}, last batch r_FLOPs "
+              f"{result['r_flops']:.3f}, target {cfg.r_target})")
+    if "eval" in result:
+        print(format_eval(result["eval"]))
+    return 0
+
+
+def format_eval(r: dict) -> str:
+    lo, hi = r["top1_ci95"]
+    return (f"{r['method']}: top-1 {r['top1']:.2f}% (95% CI {lo:.2f}-{hi:.2f}), top-5 {r['top5']:.2f}%, "
+            f"{r['gmacs']:.4f} GMACs ({100 * r['gmacs_ratio']:.1f}% of dense {r['gmacs_dense']:.4f}), executed "
+            f"{r['gmacs_executed']:.4f} GMACs, r_FLOPs {r['r_flops']:.3f}, {r['images']} images"
+            + (f", {r['skipped']} unreadable skipped" if r["skipped"] else ""))
+
+
+def cmd_eval(args) -> int:
+    import torch
+    from torch.utils.data import DataLoader
+
+    import ltmp
+    from . import data as ldata
+    from .train import create_model, evaluate, pick_device, tome_schedule
+
+    model = create_model(args.model, args.pretrained, args.checkpoint)
+    if args.thresholds:
+        ltmp.load_thresholds(model, args.thresholds)
+    elif args.method and args.method != "dense":
+        if args.method in ("ltmp", "ltpm", "ltm", "ltp"):
+            raise CLIError(f"--method {args.method} needs learned thresholds: pass --thresholds FILE")
+        r = _rates(args.r)
+        if args.match_gmacs is not None or args.match is not None:
+            if args.method != "tome":
+                raise CLIError("--match-gmacs/--match pick a per-layer ToMe schedule: use them with --method tome")
+            target = args.match_gmacs
+            if args.match is not None:
+                target = json.loads(Path(args.match).read_text())["gmacs"]
+            r = tome_schedule(ltmp.vit_spec(model), target)
+        ltmp.patch(model, args.method, r=r if args.method == "tome" else None,
+                   k=_rates(args.k) if args.method != "tome" else None)
+    root = ldata.resolve_root(args.data_dir)
+    _, eval_tf, _ = ldata.transforms_for(model, "none")
+    split = root / args.val_split
+    if not split.is_dir() and args.val_split == "val" and (root / "test").is_dir():
+        split = root / "test"
+    dataset = ldata.ImageFolder(split, eval_tf)
+    if args.max_images:
+        dataset = torch.utils.data.Subset(dataset, range(min(args.max_images, len(dataset))))
+    loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
+                        collate_fn=ldata.collate_skip)
+    result = evaluate(model, loader, pick_device(args.device), amp=args.amp, progress=not args.quiet,
+                      model_name=args.model)
+    result["thresholds"] = args.thresholds
+    print(format_eval(result))
+    if result["rate"] is not None:
+        print(f"per-layer rate: {','.join(str(v) for v in result['rate'])}")
+    if args.compare:
+        other = json.loads(Path(args.compare).read_text())
+        from .train import mcnemar
+
+        test = mcnemar(result["correct"], other["correct"])
+        result["paired_test"] = {"against": args.compare, **test}
+        print(f"paired McNemar test against {args.compare} ({other['method']}, top-1 {other['top1']:.2f}%): "
+              f"{test['only_a_correct']} images only this run got right, {test['only_b_correct']} only the other; "
+              f"p = {test['p_value']:.4f}")
+    if args.json:
+        from .thresholds import atomic_write
+
+        atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=2)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ltmp", description="Learned Thresholds token Merging and Pruning for timm ViTs")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
     sub = p.add_subparsers(dest="command", required=True)
+
     f = sub.add_parser("flops", help="dense GMACs of a timm ViT (fvcore convention)")
     f.add_argument("--model", required=True, help="timm model name, e.g. deit_small_patch16_224")
     f.set_defaults(func=cmd_flops)
+
+    t = sub.add_parser("train", help="learn the thresholds (one epoch, frozen backbone, the paper's recipe)")
+    _add_model_args(t)
+    _add_data_args(t)
+    t.add_argument("--output", required=True, help="run folder for thresholds, config, log and checkpoints")
+    t.add_argument("--r-target", type=float, required=True, help="FLOPs reduction target in (0, 1] (eq. 14)")
+    t.add_argument("--method", default="ltmp", choices=["ltmp", "ltpm", "ltm", "ltp"])
+    t.add_argument("--importance", default="mean", choices=["mean", "cls"])
+    t.add_argument("--tau", type=float, default=0.1)
+    t.add_argument("--lam", type=float, default=10.0, help="lambda of eq. 15")
+    t.add_argument("--lr-prune", type=float, default=5e-6)
+    t.add_argument("--lr-merge", type=float, default=5e-3)
+    t.add_argument("--merge-init", type=float, default=0.9)
+    t.add_argument("--prune-init", type=float, default=0.0)
+    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--steps", type=int, help="optimizer steps (overrides --epochs)")
+    t.add_argument("--holdout", type=float, default=0.0, help="fraction of train held out for validation")
+    t.add_argument("--max-train-images", type=int, help="train on a fixed random subset of this size")
+    t.add_argument("--augment", default="timm", choices=["timm", "light", "none"])
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    t.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
+    t.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="accuracy, GMACs and token counts of a dense, learned or fixed-rate model")
+    _add_model_args(e)
+    _add_data_args(e)
+    e.add_argument("--thresholds", help="thresholds.safetensors from ltmp train")
+    e.add_argument("--method", choices=["dense", "tome", "topk-prune", "topk-mp", "ltmp", "ltpm", "ltm", "ltp"])
+    e.add_argument("--r", help="ToMe: tokens merged per layer, an int or a per-layer list 6,6,5,...")
+    e.add_argument("--k", help="top-k baselines: tokens per layer, an int or a per-layer list")
+    e.add_argument("--match-gmacs", type=float, help="ToMe: pick the per-layer r schedule closest to these GMACs")
+    e.add_argument("--match", help="ToMe: match the GMACs of this eval JSON")
+    e.add_argument("--compare", help="eval JSON of another run on the same images: paired McNemar test")
+    e.add_argument("--max-images", type=int, help="evaluate only the first N images")
+    e.add_argument("--json", help="write the full result here")
+    e.set_defaults(func=cmd_eval)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .data import DataError
+    from .train import TrainError
+
+    warnings.filterwarnings("ignore", message=".*TypedStorage.*")
     try:
         return args.func(args)
-    except CLIError as e:
+    except (CLIError, DataError, TrainError) as e:
         print(f"ltmp: error: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # library validation (thresholds files, patch options): one line, no traceback
+        print(f"ltmp: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ltmp: interrupted; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
+        return 130

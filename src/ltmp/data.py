@@ -1,0 +1,174 @@
+"""Data: ImageFolder splits (or the CIFAR-10 tarball) with the model's own timm data config and transforms.
+
+- Preprocessing comes from the model (timm ``resolve_data_config`` + ``create_transform``).
+- A ``.tar.gz`` archive in ImageFolder layout (e.g. ``../shared/data/cifar10/cifar10-jpeg.tar.gz``) is unpacked
+  once into a cache folder (``$LTMP_CACHE`` or ``~/.cache/ltmp``) and then read like a folder.
+- Unreadable images are skipped and counted (``SkipCounter``), never silently replaced by another sample.
+- Augmentation randomness is a pure function of (seed, epoch, index): runs resume and shard across processes
+  with exactly the same transformed images.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import tarfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class DataError(ValueError):
+    """Bad data input; the message names the fix."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LTMP_CACHE", Path.home() / ".cache" / "ltmp"))
+
+
+def unpack_archive(archive: Path) -> Path:
+    """Unpack an ImageFolder ``.tar.gz`` once into the cache; returns the folder holding its splits."""
+    st = archive.stat()
+    key = hashlib.sha1(f"{archive.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    dest = cache_dir() / f"{archive.name.split('.')[0]}-{key}"
+    done = dest / ".unpacked"
+    if not done.exists():
+        tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            with tarfile.open(archive) as tar:
+                tar.extractall(tmp, filter="data")
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise DataError(f"cannot unpack {archive} ({e}); pass an ImageFolder directory or a valid .tar.gz") \
+                from None
+        if dest.exists():  # another process finished first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+        done.touch()
+    # the archive may hold the splits at its top level or inside one folder
+    subdirs = [p for p in dest.iterdir() if p.is_dir()]
+    if len(subdirs) == 1 and not any((dest / s).is_dir() for s in ("train", "val", "test")):
+        return subdirs[0]
+    return dest
+
+
+def resolve_root(data_dir: str | os.PathLike) -> Path:
+    """The folder holding the splits, from a directory or an archive. Raises DataError if missing."""
+    path = Path(data_dir)
+    if not path.exists():
+        raise DataError(f"data dir {path} does not exist; pass --data-dir DIR with DIR/train/<class>/*.jpg "
+                        f"and DIR/val/<class>/*.jpg (or a .tar.gz of that layout)")
+    if path.is_file():
+        if path.name.endswith((".tar.gz", ".tgz", ".tar")):
+            return unpack_archive(path)
+        raise DataError(f"data dir {path} is a file; pass a folder or a .tar.gz archive in ImageFolder layout")
+    return path
+
+
+class ImageFolder(Dataset):
+    """``root/<class>/<image>`` with sorted class names as labels. Unreadable images yield None (skipped)."""
+
+    def __init__(self, root: Path, transform: Callable | None = None, classes: list[str] | None = None):
+        if not root.is_dir():
+            raise DataError(f"split folder {root} does not exist; expected {root}/<class>/<image files> "
+                            f"(choose the split with --val-split)")
+        self.classes = classes or sorted(p.name for p in root.iterdir() if p.is_dir())
+        index = {c: i for i, c in enumerate(self.classes)}
+        self.samples: list[tuple[str, int]] = []
+        for c in self.classes:
+            folder = root / c
+            if not folder.is_dir():
+                continue
+            for f in sorted(folder.iterdir()):
+                if f.suffix.lower() in IMG_EXTENSIONS:
+                    self.samples.append((str(f), index[c]))
+        if not self.samples:
+            raise DataError(f"no images found in {root}; expected {root}/<class>/<image files> "
+                            f"({', '.join(IMG_EXTENSIONS[:3])}, ...)")
+        self.root = root
+        self.transform = transform
+        self.seed = 0
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, label = self.samples[i]
+        try:
+            with Image.open(path) as im:
+                img = im.convert("RGB")
+        except (OSError, ValueError, Image.DecompressionBombError):
+            return None  # counted by collate_skip
+        if self.transform is not None:
+            # augmentation randomness depends only on (seed, epoch, index): resumable and shardable
+            s = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + i
+            random.seed(s)
+            torch.manual_seed(s)
+            img = self.transform(img)
+        return img, label, i
+
+
+def collate_skip(batch):
+    """Collate, dropping unreadable images; returns (images, labels, indices, number skipped)."""
+    good = [b for b in batch if b is not None]
+    skipped = len(batch) - len(good)
+    if not good:
+        return None, None, None, skipped
+    imgs = torch.stack([b[0] for b in good])
+    labels = torch.tensor([b[1] for b in good])
+    idx = torch.tensor([b[2] for b in good])
+    return imgs, labels, idx, skipped
+
+
+def transforms_for(model: torch.nn.Module, augment: str):
+    """Eval and train transforms from the model's timm data config.
+
+    Args:
+        augment: ``"timm"``: timm's default training augmentation (RandomResizedCrop scale 0.08-1, flip,
+            colour jitter), as in the paper; ``"light"``: random crop with 1/8 reflect padding and flip (the
+            CIFAR pretraining recipe); ``"none"``: the eval transform.
+    """
+    import timm.data
+    from torchvision import transforms as T
+
+    cfg = timm.data.resolve_data_config(model=model)
+    eval_tf = timm.data.create_transform(**cfg, is_training=False)
+    if augment == "timm":
+        train_tf = timm.data.create_transform(**cfg, is_training=True)
+    elif augment == "light":
+        size = cfg["input_size"][1:]
+        train_tf = T.Compose([
+            T.Resize(size, interpolation=T.InterpolationMode.BILINEAR),
+            T.RandomCrop(size, padding=max(1, size[0] // 8), padding_mode="reflect"),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize(cfg["mean"], cfg["std"]),
+        ])
+    elif augment == "none":
+        train_tf = eval_tf
+    else:
+        raise DataError(f"unknown augmentation '{augment}'; choose timm, light or none")
+    return train_tf, eval_tf, cfg
+
+
+def split_dir(root: Path, name: str) -> Path:
+    return root / name
+
+
+def holdout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """A seeded random split of ``range(n)``: (train indices, held-out indices)."""
+    if not 0.0 <= fraction < 1.0:
+        raise DataError(f"--holdout must be in [0, 1), got {fraction}")
+    g = torch.Generator().manual_seed(seed + 7919)
+    perm = torch.randperm(n, generator=g).tolist()
+    k = int(round(n * fraction))
+    return sorted(perm[k:]), sorted(perm[:k])

@@ -1,0 +1,543 @@
+"""Threshold training (paper section 3.4 and 4: one epoch, SGD, eq. 15) and evaluation, as library functions.
+
+No argparse and no globals: ``ltmp.cli`` builds a :class:`TrainConfig` and calls :func:`train`, or calls
+:func:`evaluate`. Data-parallel training runs under ``torchrun`` (torch.distributed: gloo on the CPU, nccl on GPUs).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, Subset
+
+from . import data as ldata
+from .flops import dense_gmacs, gmacs, gmacs_executed
+from .thresholds import atomic_write, save_thresholds, threshold_tensors
+from .timm_patch import THRESHOLD_NAMES, patch, vit_spec
+
+
+class TrainError(ValueError):
+    """Bad training input; the message names the fix."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a threshold-training run depends on; saved as config.json beside the thresholds."""
+
+    model: str  # timm model name, or local-dir:PATH
+    data_dir: str  # ImageFolder root (train/ and val/ splits) or a .tar.gz of that layout
+    output: str  # run folder: thresholds.safetensors, config.json, log.jsonl, checkpoint.safetensors
+    r_target: float  # FLOPs reduction target of eq. 14, in (0, 1]
+    pretrained: bool = False  # load timm's pretrained weights (or the local-dir weights)
+    checkpoint: str | None = None  # weights file (timm, torch or safetensors state dict)
+    method: str = "ltmp"  # ltmp | ltpm | ltm | ltp
+    importance: str = "mean"  # mean (eq. 17) | cls (eq. 16)
+    tau: float = 0.1  # sigmoid temperature of eq. 2
+    lam: float = 10.0  # lambda of eq. 15
+    lr_prune: float = 5e-6  # SGD learning rate of the prune thresholds (paper)
+    lr_merge: float = 5e-3  # SGD learning rate of the merge thresholds (paper)
+    merge_init: float = 0.9  # initial merge thresholds (reference code)
+    prune_init: float = 0.0  # initial prune thresholds (reference code)
+    batch_size: int = 128  # global batch, split over processes
+    epochs: float = 1.0  # passes over the training images (ignored if steps is set)
+    steps: int | None = None  # optimizer steps; overrides epochs
+    train_split: str = "train"
+    val_split: str = "val"
+    holdout: float = 0.0  # fraction of train held out for validation (the paper used 0.02)
+    max_train_images: int | None = None  # a fixed random subset of the training images
+    augment: str = "timm"  # timm (paper) | light | none
+    amp: bool = False  # mixed precision: bf16 on CPU, fp16 on CUDA
+    seed: int = 0
+    checkpoint_every: int = 50  # steps between atomic checkpoints
+    log_every: int = 1  # steps between JSONL log lines
+    workers: int = 2
+    device: str = "auto"
+    eval_after: bool = True  # evaluate the trained thresholds on the validation split
+
+
+# ----------------------------------------------------------------------------------------------- model and set-up
+
+
+def create_model(name: str, pretrained: bool = False, checkpoint: str | None = None) -> nn.Module:
+    """A timm model by name (or ``local-dir:PATH``), with pretrained weights or a checkpoint file."""
+    import timm
+
+    if not name.startswith(("local-dir:", "hf-hub:")) and not timm.is_model(name):
+        raise TrainError(f"unknown model '{name}'; pick a timm ViT such as deit_small_patch16_224 "
+                         f"(list them with: python -c \"import timm; print(timm.list_models('*vit*'))\") or "
+                         f"local-dir:PATH")
+    try:
+        # a checkpoint replaces the pretrained weights: don't fetch them first
+        model = timm.create_model(name, pretrained=pretrained and not checkpoint)
+    except Exception as e:  # unreachable hub, missing local-dir files, bad config: one line with the fix
+        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise TrainError(f"cannot create model '{name}' with pretrained={pretrained} ({msg}); offline, pass "
+                         f"--checkpoint FILE or a local-dir:PATH model folder") from None
+    if checkpoint:
+        from timm.models import load_checkpoint
+
+        if not os.path.isfile(checkpoint):
+            raise TrainError(f"checkpoint {checkpoint} does not exist; pass a weights file of {name}")
+        try:
+            load_checkpoint(model, checkpoint, strict=True)
+        except Exception as e:  # torch, safetensors and pickle raise many types on a corrupt file
+            msg = str(e).splitlines()[0][:200]
+            raise TrainError(f"cannot load checkpoint {checkpoint} ({type(e).__name__}: {msg}); pass a timm, "
+                             f"torch or safetensors state dict of {name}") from None
+    return model
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def amp_context(enabled: bool, device: torch.device):
+    if not enabled:
+        return contextlib.nullcontext()
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def threshold_training_mode(model: nn.Module) -> nn.Module:
+    """Train-mode representation (masks, differentiable) with dropout and drop-path off: every submodule in eval
+    mode, only the top-level flag set. The backbone is frozen; only the thresholds require grad."""
+    model.eval()
+    model.training = True
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith(THRESHOLD_NAMES))
+    return model
+
+
+@dataclasses.dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_name: str) -> tuple[Dist, torch.device]:
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: join the group (nccl on CUDA, gloo on the CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist(), pick_device(device_name)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local), device
+
+
+# ------------------------------------------------------------------------------------------------------- sampling
+
+
+class StepBatches(Sampler):
+    """Yields, for each optimizer step from ``start``, this rank's share of the global batch.
+
+    The global order is a seeded permutation per epoch, so any number of processes (and a resumed run) see the
+    same images in the same steps as one uninterrupted process. Items are ``(index, epoch)`` pairs: the epoch
+    seeds the augmentation.
+    """
+
+    def __init__(self, n: int, global_batch: int, total_steps: int, seed: int, rank: int = 0, world: int = 1,
+                 start: int = 0):
+        if global_batch % world:
+            raise TrainError(f"--batch-size {global_batch} must be divisible by the {world} processes")
+        self.n, self.batch, self.total, self.seed = n, global_batch, total_steps, seed
+        self.rank, self.world, self.start = rank, world, start
+        self.per_epoch = n // global_batch
+        if self.per_epoch == 0:
+            raise TrainError(f"only {n} training images for a batch of {global_batch}; lower --batch-size")
+
+    def __len__(self) -> int:
+        return self.total - self.start
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        per_rank = self.batch // self.world
+        perm, perm_epoch = None, -1
+        for step in range(self.start, self.total):
+            epoch, k = divmod(step, self.per_epoch)
+            if epoch != perm_epoch:
+                perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
+                perm_epoch = epoch
+            glob = perm[k * self.batch:(k + 1) * self.batch]
+            mine = glob[self.rank * per_rank:(self.rank + 1) * per_rank]
+            yield [(int(i), epoch) for i in mine]
+
+
+class EpochIndexed(torch.utils.data.Dataset):
+    """Maps ``(index, epoch)`` items to the underlying dataset, seeding augmentation per (seed, epoch, index)."""
+
+    def __init__(self, base: ldata.ImageFolder, indices: list[int], seed: int):
+        self.base, self.indices, self.seed = base, indices, seed
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, item):
+        i, epoch = item
+        self.base.seed, self.base.epoch = self.seed, epoch
+        return self.base[self.indices[i]]
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+
+
+def _jsonable(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in threshold_tensors(model).items()}
+    meta = {"format": "ltmp-train-checkpoint", "step": str(step), "config": json.dumps(_jsonable(cfg))}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+
+
+def load_checkpoint_state(model: nn.Module, path: Path) -> int:
+    """Restore thresholds from a training checkpoint; returns the step to continue from."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise TrainError(f"cannot read checkpoint {path} ({type(e).__name__}); delete it to start over") from None
+    if meta.get("format") != "ltmp-train-checkpoint":
+        raise TrainError(f"{path} is not an ltmp training checkpoint; delete it to start over")
+    params = dict(getattr(model, "module", model).named_parameters())
+    with torch.no_grad():
+        for k, v in tensors.items():
+            params[k].copy_(v.reshape(()))
+    return int(meta["step"])
+
+
+# ---------------------------------------------------------------------------------------------------------- train
+
+
+def build_train_data(cfg: TrainConfig, model: nn.Module):
+    root = ldata.resolve_root(cfg.data_dir)
+    train_tf, eval_tf, data_cfg = ldata.transforms_for(model, cfg.augment)
+    train_set = ldata.ImageFolder(ldata.split_dir(root, cfg.train_split), train_tf)
+    indices = list(range(len(train_set)))
+    held: list[int] = []
+    if cfg.holdout:
+        indices, held = ldata.holdout_split(len(train_set), cfg.holdout, cfg.seed)
+    if cfg.max_train_images:
+        g = torch.Generator().manual_seed(cfg.seed + 104729)
+        pick = torch.randperm(len(indices), generator=g)[:cfg.max_train_images].tolist()
+        indices = sorted(indices[i] for i in pick)
+    if held:
+        val_set = Subset(ldata.ImageFolder(train_set.root, eval_tf, train_set.classes), held)
+    else:
+        val_root = ldata.split_dir(root, cfg.val_split)
+        if not val_root.is_dir() and cfg.val_split == "val" and (root / "test").is_dir():
+            val_root = root / "test"  # CIFAR-10 layout names its val split test
+        val_set = ldata.ImageFolder(val_root, eval_tf, train_set.classes) if val_root.is_dir() else None
+    return train_set, indices, val_set, data_cfg
+
+
+def total_steps(cfg: TrainConfig, n_train: int) -> int:
+    if cfg.steps is not None:
+        return int(cfg.steps)
+    return max(1, math.ceil(cfg.epochs * (n_train // cfg.batch_size)))
+
+
+def validate(cfg: TrainConfig) -> None:
+    if not 0.0 < cfg.r_target <= 1.0:
+        raise TrainError(f"--r-target must lie in (0, 1], got {cfg.r_target}")
+    if cfg.method not in ("ltmp", "ltpm", "ltm", "ltp"):
+        raise TrainError(f"--method {cfg.method} has no thresholds to train; choose ltmp, ltpm, ltm or ltp")
+    if cfg.batch_size < 1 or (cfg.steps is not None and cfg.steps < 1) or cfg.epochs <= 0:
+        raise TrainError("--batch-size, --steps and --epochs must be positive")
+
+
+def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict:
+    """Train the thresholds of one model (paper section 4): frozen backbone, SGD, loss of eq. 15.
+
+    Writes into ``cfg.output``: ``config.json``, ``log.jsonl``, ``checkpoint.safetensors`` (every
+    ``checkpoint_every`` steps, atomically) and finally ``thresholds.safetensors``. Only rank 0 writes.
+
+    Returns:
+        A summary (final thresholds file, steps, last r_FLOPs, and the validation result if ``eval_after``).
+    """
+    validate(cfg)
+    ddp, device = init_distributed(cfg.device)
+    out = Path(cfg.output)
+    ckpt_path = out / "checkpoint.safetensors"
+    if ddp.main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume and (out / "thresholds.safetensors").exists():
+            raise TrainError(f"{out} already holds a finished run; pass another --output, or --resume")
+    torch.manual_seed(cfg.seed)
+    model = create_model(cfg.model, cfg.pretrained, cfg.checkpoint)
+    patch(model, cfg.method, tau=cfg.tau, importance=cfg.importance, merge_threshold=cfg.merge_init,
+          prune_threshold=cfg.prune_init)
+    model.to(device)
+    threshold_training_mode(model)
+    train_set, indices, val_set, data_cfg = build_train_data(cfg, model)
+    steps = total_steps(cfg, len(indices))
+    start = 0
+    if resume and ckpt_path.exists():
+        start = load_checkpoint_state(model, ckpt_path)
+    elif resume and (out / "thresholds.safetensors").exists():
+        raise TrainError(f"{out} holds a finished run and no checkpoint; nothing to resume")
+
+    net: nn.Module = model
+    if ddp.world > 1:
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    merge_p = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
+    prune_p = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
+    groups = [g for g in ({"params": merge_p, "lr": cfg.lr_merge}, {"params": prune_p, "lr": cfg.lr_prune})
+              if g["params"]]
+    opt = torch.optim.SGD(groups, lr=cfg.lr_merge, momentum=0.0)
+
+    sampler = StepBatches(len(indices), cfg.batch_size, steps, cfg.seed, ddp.rank, ddp.world, start)
+    loader = DataLoader(EpochIndexed(train_set, indices, cfg.seed), batch_sampler=sampler,
+                        num_workers=cfg.workers, collate_fn=ldata.collate_skip,
+                        persistent_workers=False, pin_memory=device.type == "cuda")
+    log_path = out / "log.jsonl"
+    if ddp.main:
+        resolved = {**_jsonable(cfg), "total_steps": steps, "train_images": len(indices),
+                    "world_size": ddp.world, "device": str(device), "data_config": data_cfg,
+                    "torch": torch.__version__}
+        atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(resolved, indent=2)))
+        kept_lines = []
+        if start and log_path.exists():
+            kept_lines = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
+        atomic_write(log_path, lambda tmp: Path(tmp).write_text("".join(ln + "\n" for ln in kept_lines)))
+
+    from .flops import budget_loss_value
+    from .timm_patch import Record  # noqa: F401  (the record read below)
+    import ltmp
+
+    bar = None
+    if progress and ddp.main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, initial=start, desc=f"train {cfg.method} r_target={cfg.r_target}", unit="step",
+                   dynamic_ncols=True)
+    skipped = 0
+    last: dict = {}
+    t0 = time.perf_counter()
+    seen = 0
+    log_f = open(log_path, "a") if ddp.main else None
+    try:
+        for step, (imgs, labels, _, nskip) in enumerate(loader, start=start):
+            skipped += nskip
+            if imgs is None:
+                continue
+            imgs, labels = imgs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            with amp_context(cfg.amp, device):
+                logits = net(imgs)
+            ce = F.cross_entropy(logits.float(), labels)
+            r = ltmp.r_flops(model).mean()
+            if ddp.world > 1:
+                from torch.distributed.nn.functional import all_reduce
+
+                r = all_reduce(r) / ddp.world  # differentiable: the budget loss is non-linear in the batch mean
+            reg = budget_loss_value(r, cfg.r_target)
+            loss = ce + cfg.lam * reg
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            seen += imgs.shape[0] * ddp.world
+            done = step + 1
+            if ddp.main:
+                ips = seen / max(time.perf_counter() - t0, 1e-9)
+                loss_v, r_v = loss.item(), r.item()
+                last = {"step": done, "loss": loss_v, "ce": ce.item(), "budget": reg.item(), "r_flops": r_v, "images_per_s": round(ips, 1), "skipped": skipped,
+                        "merge": [p.item() for p in merge_p], "prune": [p.item() for p in prune_p]}
+                if done % cfg.log_every == 0 or done == steps:
+                    log_f.write(json.dumps(last) + "\n")
+                    log_f.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss_v:.3f}", r_flops=f"{r_v:.3f}", img_s=f"{ips:.0f}")
+                if done % cfg.checkpoint_every == 0 and done < steps:
+                    save_checkpoint(model, ckpt_path, done, cfg)
+    finally:
+        if bar is not None:
+            bar.close()
+        if log_f is not None:
+            log_f.close()
+    result = {"steps": steps, "train_images": len(indices), "skipped": skipped, **{k: last.get(k) for k in (
+        "r_flops", "loss")}}
+    if ddp.main:
+        save_thresholds(model, out / "thresholds.safetensors",
+                        extra={"r_target": repr(cfg.r_target), "steps": str(steps)})
+        if ckpt_path.exists():
+            ckpt_path.unlink()
+        result["thresholds"] = str(out / "thresholds.safetensors")
+    if cfg.eval_after and val_set is not None and ddp.main:
+        loader = DataLoader(val_set, batch_size=cfg.batch_size, num_workers=cfg.workers,
+                            collate_fn=_eval_collate(val_set))
+        result["eval"] = evaluate(model, loader, device, amp=cfg.amp, progress=progress, model_name=cfg.model)
+        atomic_write(out / "eval.json", lambda tmp: Path(tmp).write_text(json.dumps(result["eval"], indent=2)))
+    if ddp.world > 1:
+        dist.barrier()
+    return result
+
+
+def _eval_collate(dataset):
+    return ldata.collate_skip
+
+
+# ------------------------------------------------------------------------------------------------------- evaluate
+
+SCHEMA_VERSION = 1
+
+
+def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion k/n, in percent."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (100 * (mid - half), 100 * (mid + half))
+
+
+def mcnemar(correct_a: str, correct_b: str) -> dict:
+    """Exact McNemar test on paired per-image correctness strings ('0'/'1' per image)."""
+    from scipy.stats import binomtest
+
+    if len(correct_a) != len(correct_b):
+        raise ValueError(f"the two evaluations cover different images ({len(correct_a)} vs {len(correct_b)}); "
+                         f"compare runs on the same eval set")
+    b = sum(1 for x, y in zip(correct_a, correct_b) if x == "1" and y == "0")
+    c = sum(1 for x, y in zip(correct_a, correct_b) if x == "0" and y == "1")
+    p = 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue)
+    return {"only_a_correct": b, "only_b_correct": c, "p_value": p}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device | str = "cpu", amp: bool = False,
+             progress: bool = True, model_name: str = "") -> dict:
+    """Accuracy, GMACs from actual token counts, executed (padded) GMACs and per-layer token counts.
+
+    Works on dense (unpatched), learned-threshold and fixed-rate models, over the whole loader at any batch size.
+    The keys ``schema_version, top1, top5, images, gmacs, gmacs_dense, gmacs_ratio, gmacs_executed, r_flops,
+    per_layer, method, model`` are stable.
+    """
+    import ltmp
+
+    device = torch.device(device)
+    model.eval().to(device)
+    spec = vit_spec(model)
+    cfg = getattr(model, "ltmp_config", None)
+    L = spec.depth
+    n_img = c1 = c5 = skipped = 0
+    correct: list[str] = []
+    g_sum = g_exec = r_sum = 0.0
+    merged = torch.zeros(L, dtype=torch.float64)
+    pruned = torch.zeros(L, dtype=torch.float64)
+    kept = torch.zeros(L, dtype=torch.float64)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(loader), desc="eval", unit="batch", dynamic_ncols=True)
+    dense = dense_gmacs(spec)
+    t0 = time.perf_counter()
+    for imgs, labels, _, nskip in loader:
+        skipped += nskip
+        if bar is not None:
+            bar.update(1)
+        if imgs is None:
+            continue
+        imgs, labels = imgs.to(device), labels.to(device)
+        with amp_context(amp, device):
+            logits = model(imgs)
+        top5 = logits.float().topk(min(5, logits.shape[-1]), dim=-1).indices  # (B, 5)
+        ok1 = top5[:, 0] == labels
+        c1 += int(ok1.sum())
+        c5 += int((top5 == labels[:, None]).any(1).sum())
+        correct.append("".join("1" if v else "0" for v in ok1.tolist()))
+        B = imgs.shape[0]
+        n_img += B
+        if cfg is None:
+            g_sum += dense * B
+            g_exec += dense * B
+            r_sum += B
+            kept += spec.num_patches * B
+        else:
+            rec = ltmp.stats(model)
+            g_sum += float(gmacs(spec, rec.kept.cpu()).sum())
+            g_exec += gmacs_executed(spec, rec.padded) * B
+            r_sum += float(ltmp.r_flops(model).sum())
+            merged += rec.merged.double().sum(0).cpu()
+            pruned += rec.pruned.double().sum(0).cpu()
+            kept += rec.kept.double().sum(0).cpu()
+        if bar is not None:
+            bar.set_postfix(top1=f"{100 * c1 / n_img:.2f}")
+    if bar is not None:
+        bar.close()
+    if n_img == 0:
+        raise TrainError("no readable images in the eval set; check --data-dir and --val-split")
+    seconds = time.perf_counter() - t0
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": model_name,
+        "method": cfg.method if cfg is not None else "dense",
+        "top1": 100 * c1 / n_img,
+        "top1_ci95": list(wilson_interval(c1, n_img)),
+        "top5": 100 * c5 / n_img,
+        "images": n_img,
+        "skipped": skipped,
+        "gmacs": g_sum / n_img,
+        "gmacs_dense": dense,
+        "gmacs_ratio": g_sum / n_img / dense,
+        "gmacs_executed": g_exec / n_img,
+        "r_flops": r_sum / n_img,
+        "per_layer": [{"merged": float(m) / n_img, "pruned": float(p) / n_img, "kept": float(k) / n_img}
+                      for m, p, k in zip(merged, pruned, kept)],
+        "rate": list(cfg.rate) if cfg is not None and cfg.rate is not None else None,
+        "batch_size": getattr(loader, "batch_size", None),
+        "seconds": seconds,
+        "correct": "".join(correct),
+    }
+
+
+def tome_schedule(spec, target_gmacs: float) -> list[int]:
+    """A per-layer ToMe r schedule whose GMACs come closest to ``target_gmacs``.
+
+    ToMe's token counts are deterministic (``min(r, (t - prefix) // 2)`` per layer), so GMACs follow from the
+    schedule. Schedules spread a fractional rate rho evenly over the layers (``r_l = floor(rho (l+1)) -
+    floor(rho l)``); rho is searched on a fine grid.
+    """
+    P, n, L = spec.num_prefix, spec.num_patches, spec.depth
+    best, best_err = [0] * L, float("inf")
+    steps = 4000
+    for i in range(steps + 1):
+        rho = (n / 2) * i / steps
+        sched = [math.floor(rho * (l + 1)) - math.floor(rho * l) for l in range(L)]
+        t, counts = n, []
+        for r in sched:
+            t -= min(r, t // 2)
+            counts.append(t)
+        g = float(gmacs(spec, torch.tensor([counts], dtype=torch.float64))[0])
+        if abs(g - target_gmacs) < best_err:
+            best, best_err = sched, abs(g - target_gmacs)
+    return best

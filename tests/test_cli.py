@@ -1,0 +1,234 @@
+"""The ltmp command line: train, resume, data-parallel training, eval, and one-line errors on bad input."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from PIL import Image
+
+import ltmp
+from ltmp.cli import main
+
+TINY_ARGS = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=3)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random ViT in timm's local-dir format (config.json + model.safetensors)."""
+    from timm.models._hub import save_for_hf
+
+    folder = tmp_path_factory.mktemp("models") / "tiny"
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", **TINY_ARGS)
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.attn.qkv.weight.mul_(5)
+    save_for_hf(model, str(folder), model_args=TINY_ARGS, safe_serialization=True,
+                data_config=dict(input_size=(3, 32, 32), crop_pct=1.0, mean=(0.5,) * 3, std=(0.25,) * 3))
+    return f"local-dir:{folder}"
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """ImageFolder with train (3 x 16) and val (3 x 6) splits of structured 32x32 images."""
+    root = tmp_path_factory.mktemp("data")
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 16), ("val", 6)):
+        for c in range(3):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True)
+            for i in range(n):
+                base = torch.rand(3, 4, 4, generator=g) * 0.5 + 0.25 * c
+                img = torch.nn.functional.interpolate(base[None], size=32, mode="bilinear")[0]
+                arr = (img.clamp(0, 1) * 255).byte().permute(1, 2, 0).numpy()
+                Image.fromarray(arr).save(d / f"{i:03d}.png")
+    return root
+
+
+def train_args(model, data, out, *extra):
+    return ["--quiet", "train", "--model", model, "--pretrained", "--data-dir", str(data), "--output", str(out),
+            "--r-target", "0.6", "--batch-size", "8", "--workers", "0", "--lr-prune", "5e-3", *extra]
+
+
+def thresholds_of(path) -> dict[str, float]:
+    tensors, _ = ltmp.read_thresholds(path)
+    return {k: float(v) for k, v in tensors.items()}
+
+
+def test_train_writes_thresholds_config_log_and_eval(tiny_model, tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(train_args(tiny_model, tiny_data, out, "--steps", "5")) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "eval.json", "log.jsonl", "thresholds.safetensors"]
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log] == [1, 2, 3, 4, 5]
+    assert {"loss", "r_flops", "images_per_s"} <= set(log[0])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["lr_merge"] == 5e-3 and cfg["total_steps"] == 5 and cfg["data_config"]["input_size"] == [3, 32, 32]
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["images"] == 18 and len(ev["per_layer"]) == 3
+    first = log[0]["merge"]
+    assert thresholds_of(out / "thresholds.safetensors")["blocks.0.merge_threshold"] != pytest.approx(0.9)
+    assert first[0] != 0.9
+    assert "thresholds:" in capsys.readouterr().out
+
+
+def test_eval_json_has_stable_keys_and_fixed_rate_baselines(tiny_model, tiny_data, tmp_path):
+    run = tmp_path / "run"
+    assert main(train_args(tiny_model, tiny_data, run, "--steps", "3", "--no-eval")) == 0
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    common = ["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data),
+              "--workers", "0", "--batch-size", "5"]
+    assert main(common + ["--thresholds", str(run / "thresholds.safetensors"), "--json", str(a)]) == 0
+    res = json.loads(a.read_text())
+    for key in ("schema_version", "top1", "top5", "images", "gmacs", "gmacs_dense", "gmacs_ratio", "gmacs_executed",
+                "r_flops", "per_layer", "method", "model"):
+        assert key in res, key
+    assert res["images"] == 18 and res["method"] == "ltmp"
+    assert set(res["per_layer"][0]) == {"merged", "pruned", "kept"}
+    assert res["gmacs_executed"] >= res["gmacs"] - 1e-12
+    assert main(common + ["--method", "tome", "--r", "2,1,0", "--json", str(b), "--compare", str(a)]) == 0
+    res_b = json.loads(b.read_text())
+    assert res_b["rate"] == [2, 1, 0] and [round(x["merged"]) for x in res_b["per_layer"]] == [2, 1, 0]
+    assert 0 <= res_b["paired_test"]["p_value"] <= 1
+    assert main(common + ["--method", "tome", "--match", str(a), "--json", str(c)]) == 0
+    res_c = json.loads(c.read_text())
+    dense = main(common + ["--method", "dense"])
+    assert dense == 0
+    assert abs(res_c["gmacs"] - res["gmacs"]) <= abs(res_b["gmacs"] - res["gmacs"]) + 1e-12
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tiny_model, tiny_data, tmp_path):
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    args = ["--steps", "12", "--checkpoint-every", "2", "--no-eval", "--augment", "timm"]
+    assert main(train_args(tiny_model, tiny_data, full, *args)) == 0
+    cmd = [sys.executable, "-m", "ltmp"] + train_args(tiny_model, tiny_data, broken, *args)
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = broken / "checkpoint.safetensors"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.exists():
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(ckpt), "pt") as f:
+                    if int(f.metadata()["step"]) >= 4:
+                        break
+            except Exception:
+                pass
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (broken / "thresholds.safetensors").exists()
+    assert main(train_args(tiny_model, tiny_data, broken, *args, "--resume")) == 0
+    a, b = thresholds_of(full / "thresholds.safetensors"), thresholds_of(broken / "thresholds.safetensors")
+    assert a == b
+    steps = [json.loads(line)["step"] for line in (broken / "log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))
+
+
+def test_two_process_training_matches_one_process(tiny_model, tiny_data, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["--steps", "4", "--no-eval"]
+    assert main(train_args(tiny_model, tiny_data, one, *args)) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ltmp"]
+    res = subprocess.run(cmd + train_args(tiny_model, tiny_data, two, *args), env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    a, b = thresholds_of(one / "thresholds.safetensors"), thresholds_of(two / "thresholds.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert abs(a[k] - b[k]) <= 1e-6, (k, a[k], b[k])
+    assert a != {k: (0.9 if "merge" in k else 0.0) for k in a}, "thresholds must have moved"
+
+
+def run_cli(args, capsys) -> tuple[int, str]:
+    code = main(args)
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize("case", ["unknown-model", "missing-dir", "empty-dir", "r-target", "other-model",
+                                  "corrupt-checkpoint", "corrupt-thresholds"])
+def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    if case == "unknown-model":
+        args = train_args("vit_does_not_exist", tiny_data, out)
+        expect = "unknown model 'vit_does_not_exist'"
+    elif case == "missing-dir":
+        args = train_args(tiny_model, tmp_path / "nope", out)
+        expect = "does not exist; pass --data-dir DIR"
+    elif case == "empty-dir":
+        (tmp_path / "empty" / "train").mkdir(parents=True)
+        args = train_args(tiny_model, tmp_path / "empty", out)
+        expect = "no images found in"
+    elif case == "r-target":
+        args = train_args(tiny_model, tiny_data, out)
+        args[args.index("0.6")] = "1.5"
+        expect = r"--r-target must lie in (0, 1], got 1.5"
+    elif case == "other-model":
+        other = ltmp.patch(timm.create_model("vit_tiny_patch16_224", **{**TINY_ARGS, "depth": 2}), "ltmp")
+        ltmp.save_thresholds(other, tmp_path / "t.safetensors")
+        args = ["eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--thresholds",
+                str(tmp_path / "t.safetensors"), "--json", str(out / "eval.json")]
+        expect = "were made for another model"
+    elif case == "corrupt-checkpoint":
+        (tmp_path / "w.pth").write_bytes(b"not a checkpoint")
+        args = train_args(tiny_model, tiny_data, out, "--checkpoint", str(tmp_path / "w.pth"))
+        expect = "cannot load checkpoint"
+    else:
+        (tmp_path / "t.safetensors").write_bytes(b"\x01\x02garbage")
+        args = ["eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--thresholds",
+                str(tmp_path / "t.safetensors")]
+        expect = "cannot read thresholds file"
+    code, err = run_cli(args, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ltmp: error: ") and expect in lines[0], err
+    assert "Traceback" not in err
+    assert not (out / "thresholds.safetensors").exists() and not (out / "eval.json").exists()
+
+
+def test_unreadable_images_are_skipped_and_counted(tiny_model, tiny_data, tmp_path, capsys):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    (data / "val" / "class0" / "broken.png").write_bytes(b"this is not a png")
+    out = tmp_path / "e.json"
+    assert main(["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(data), "--workers", "0",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["images"] == 18 and res["skipped"] == 1
+    assert "1 unreadable skipped" in capsys.readouterr().out
+
+
+def test_cifar_layout_tarball_is_used_directly(tiny_model, tiny_data, tmp_path, monkeypatch):
+    import tarfile
+
+    monkeypatch.setenv("LTMP_CACHE", str(tmp_path / "cache"))
+    archive = tmp_path / "tiny.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tiny_data / "train", arcname="train")
+        tar.add(tiny_data / "val", arcname="test")
+    out = tmp_path / "e.json"
+    assert main(["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(archive),
+                 "--val-split", "test", "--workers", "0", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["images"] == 18
+
+
+def test_amp_eval_is_finite(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "e.json"
+    assert main(["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--workers",
+                 "0", "--amp", "--method", "tome", "--r", "3", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["images"] == 18 and 0 <= res["top1"] <= 100
