@@ -232,3 +232,14 @@ def test_amp_eval_is_finite(tiny_model, tiny_data, tmp_path):
                  "0", "--amp", "--method", "tome", "--r", "3", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["images"] == 18 and 0 <= res["top1"] <= 100
+
+
+def test_amp_training_and_holdout(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "run"
+    assert main(train_args(tiny_model, tiny_data, out, "--steps", "3", "--amp", "--holdout", "0.25")) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor([e["loss"], e["r_flops"]])).all() for e in log)
+    assert all(abs(v) < 10 for e in log for v in e["merge"] + e["prune"])
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["images"] == 12  # 25% of the 48 training images, not the val split
+    assert json.loads((out / "config.json").read_text())["train_images"] == 36

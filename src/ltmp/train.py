@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 
 from . import data as ldata
-from .flops import dense_gmacs, gmacs, gmacs_executed
+from .flops import budget_loss_value, dense_gmacs, gmacs, gmacs_executed
 from .thresholds import atomic_write, save_thresholds, threshold_tensors
 from .timm_patch import THRESHOLD_NAMES, patch, vit_spec
 
@@ -327,8 +327,6 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             kept_lines = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
         atomic_write(log_path, lambda tmp: Path(tmp).write_text("".join(ln + "\n" for ln in kept_lines)))
 
-    from .flops import budget_loss_value
-    from .timm_patch import Record  # noqa: F401  (the record read below)
     import ltmp
 
     bar = None
@@ -391,16 +389,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         result["thresholds"] = str(out / "thresholds.safetensors")
     if cfg.eval_after and val_set is not None and ddp.main:
         loader = DataLoader(val_set, batch_size=cfg.batch_size, num_workers=cfg.workers,
-                            collate_fn=_eval_collate(val_set))
+                            collate_fn=ldata.collate_skip)
         result["eval"] = evaluate(model, loader, device, amp=cfg.amp, progress=progress, model_name=cfg.model)
         atomic_write(out / "eval.json", lambda tmp: Path(tmp).write_text(json.dumps(result["eval"], indent=2)))
     if ddp.world > 1:
         dist.barrier()
     return result
-
-
-def _eval_collate(dataset):
-    return ldata.collate_skip
 
 
 # ------------------------------------------------------------------------------------------------------- evaluate
