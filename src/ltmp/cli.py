@@ -57,7 +57,7 @@ def cmd_train(args) -> int:
         model=args.model, pretrained=args.pretrained, checkpoint=args.checkpoint, data_dir=args.data_dir,
         output=args.output, r_target=args.r_target, method=args.method, importance=args.importance, tau=args.tau,
         lam=args.lam, lr_prune=args.lr_prune, lr_merge=args.lr_merge, merge_init=args.merge_init,
-        prune_init=args.prune_init, batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
+        prune_init=args.prune_init, calibrate=args.calibrate, batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
         val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
         augment=args.augment, amp=args.amp, seed=args.seed, checkpoint_every=args.checkpoint_every,
         workers=args.workers, device=args.device, eval_after=not args.no_eval)
@@ -134,6 +134,32 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from .demo import DemoConfig, run_demo
+
+    targets = tuple(float(t) for t in args.targets.split(","))
+    for t in targets:
+        if not 0 < t <= 1:
+            raise CLIError(f"--targets must lie in (0, 1], got {t}")
+    run_demo(DemoConfig(output=args.output, model=args.model, pretrained=args.pretrained or args.model is None,
+                        checkpoint=args.checkpoint, data_dir=args.data_dir, val_split=args.val_split,
+                        targets=targets, epochs=args.epochs, batch_size=args.batch_size,
+                        max_val_images=args.max_images, workers=args.workers), progress=not args.quiet)
+    return 0
+
+
+def cmd_pretrain(args) -> int:
+    from .pretrain import PretrainConfig, pretrain
+
+    res = pretrain(PretrainConfig(data_dir=args.data_dir, output=args.output, epochs=args.epochs,
+                                  stop_after_epoch=args.stop_after_epoch, batch_size=args.batch_size,
+                                  val_split=args.val_split,
+                                  workers=args.workers, amp=args.amp, device=args.device, seed=args.seed),
+                   progress=not args.quiet)
+    print(json.dumps(res))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ltmp", description="Learned Thresholds token Merging and Pruning for timm ViTs")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -156,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr-merge", type=float, default=5e-3)
     t.add_argument("--merge-init", type=float, default=0.9)
     t.add_argument("--prune-init", type=float, default=0.0)
+    t.add_argument("--calibrate", action="store_true",
+                   help="start from thresholds bisected to hit --r-target on 256 training images")
     t.add_argument("--epochs", type=float, default=1.0)
     t.add_argument("--steps", type=int, help="optimizer steps (overrides --epochs)")
     t.add_argument("--holdout", type=float, default=0.0, help="fraction of train held out for validation")
@@ -180,10 +208,40 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-images", type=int, help="evaluate only the first N images")
     e.add_argument("--json", help="write the full result here")
     e.set_defaults(func=cmd_eval)
+
+    d = sub.add_parser("demo", help="the whole method in minutes on the bundled CIFAR-10 ViT and images (default)")
+    d.add_argument("--output", default="ltmp-demo", help="folder for the table, plots and trained thresholds")
+    d.add_argument("--model", help="timm model (default: the bundled CIFAR-10 ViT)")
+    d.add_argument("--pretrained", action="store_true")
+    d.add_argument("--checkpoint")
+    d.add_argument("--data-dir", help="ImageFolder root or .tar.gz (default: the bundled CIFAR-10 subset)")
+    d.add_argument("--val-split", default="test")
+    d.add_argument("--targets", default="0.7,0.5", help="comma-separated r_target values")
+    d.add_argument("--epochs", type=float, default=2.0)
+    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--max-images", type=int, help="evaluate only the first N images")
+    d.add_argument("--workers", type=int, default=2)
+    d.set_defaults(func=cmd_demo)
+
+    pt = sub.add_parser("pretrain", help="pretrain the small CIFAR-10 ViT from scratch (resumable)")
+    pt.add_argument("--data-dir", required=True, help="CIFAR-10 ImageFolder root or the .tar.gz")
+    pt.add_argument("--output", required=True, help="run folder (rerun the same command to resume)")
+    pt.add_argument("--val-split", default="test", help="split evaluated after every epoch")
+    pt.add_argument("--epochs", type=int, default=9)
+    pt.add_argument("--stop-after-epoch", type=int, help="end early; the schedule still spans --epochs")
+    pt.add_argument("--batch-size", type=int, default=128)
+    pt.add_argument("--workers", type=int, default=2)
+    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--amp", action="store_true")
+    pt.add_argument("--device", default="auto")
+    pt.set_defaults(func=cmd_pretrain)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not [a for a in argv if a != "--quiet"]:
+        argv = [*argv, "demo"]  # the demo is the default job
     args = build_parser().parse_args(argv)
     from .data import DataError
     from .train import TrainError

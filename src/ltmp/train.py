@@ -48,6 +48,8 @@ class TrainConfig:
     lr_merge: float = 5e-3  # SGD learning rate of the merge thresholds (paper)
     merge_init: float = 0.9  # initial merge thresholds (reference code)
     prune_init: float = 0.0  # initial prune thresholds (reference code)
+    calibrate: bool = False  # start from thresholds bisected to hit r_target on a few images (no training)
+    calibrate_images: int = 256  # images used by the calibration
     batch_size: int = 128  # global batch, split over processes
     epochs: float = 1.0  # passes over the training images (ignored if steps is set)
     steps: int | None = None  # optimizer steps; overrides epochs
@@ -298,6 +300,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     train_set, indices, val_set, data_cfg = build_train_data(cfg, model)
     steps = total_steps(cfg, len(indices))
     start = 0
+    if cfg.calibrate and not (resume and ckpt_path.exists()):
+        calibrate(model, calibration_batch(model, train_set, indices, cfg), cfg.r_target, device)
+        threshold_training_mode(model)
     if resume and ckpt_path.exists():
         start = load_checkpoint_state(model, ckpt_path)
     elif resume and (out / "thresholds.safetensors").exists():
@@ -395,6 +400,61 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     if ddp.world > 1:
         dist.barrier()
     return result
+
+
+# ------------------------------------------------------------------------------------------------------ calibrate
+
+
+def calibration_batch(model: nn.Module, dataset: ldata.ImageFolder, indices: list[int],
+                      cfg: TrainConfig) -> torch.Tensor:
+    """The first ``calibrate_images`` of a seeded shuffle of the training images, with the eval transform."""
+    _, eval_tf, _ = ldata.transforms_for(model, "none")
+    g = torch.Generator().manual_seed(cfg.seed + 31)
+    pick = [indices[i] for i in torch.randperm(len(indices), generator=g)[:cfg.calibrate_images].tolist()]
+    eval_set = ldata.ImageFolder(dataset.root, eval_tf, dataset.classes)
+    items = [eval_set[i] for i in pick]
+    return torch.stack([it[0] for it in items if it is not None])
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: torch.device | str = "cpu",
+              iters: int = 18, batch: int = 128) -> float:
+    """Training-free thresholds: one value for every block, bisected until eval-mode r_FLOPs (eq. 13) on
+    ``images`` match ``r_target``. Methods that merge bisect the merge threshold (prune thresholds stay as they
+    are); pruning-only methods bisect the prune threshold.
+
+    Returns:
+        The r_FLOPs reached.
+    """
+    import ltmp
+
+    model.eval()
+    merge = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
+    prune = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
+    if merge:
+        params, lo, hi, increasing = merge, -1.0, 1.05, True  # r rises with the merge threshold
+    else:
+        heads = model.blocks[0].attn.num_heads if model.ltmp_config.importance == "cls" else 1
+        params, lo, hi, increasing = prune, 0.0, float(heads), False  # importance lies in [0, 1] (eq. 17)
+
+    def r_at(v: float) -> float:
+        for p in params:
+            p.fill_(v)
+        total = 0.0
+        for i in range(0, len(images), batch):
+            model(images[i:i + batch].to(device))
+            total += float(ltmp.r_flops(model).sum())
+        return total / len(images)
+
+    r = 1.0
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        r = r_at(mid)
+        if (r < r_target) == increasing:
+            lo = mid
+        else:
+            hi = mid
+    return r_at((lo + hi) / 2)
 
 
 # ------------------------------------------------------------------------------------------------------- evaluate

@@ -1,0 +1,156 @@
+"""``ltmp demo``: the whole method in a few minutes on the bundled CIFAR-10 ViT and image subset.
+
+1. Evaluate the dense model.
+2. For each reduction target: calibrate the thresholds on 256 training images (training-free start), train them
+   (budget below), evaluate, and evaluate ToMe with a per-layer schedule matched to the same GMACs.
+3. Time every model at batch 1, print one table, and write a plot of accuracy against GMACs and a per-layer token
+   picture into the output folder.
+
+The paper's recipe (one epoch of batch 128) is about 10,000 steps on ImageNet; the bundled subset has 4,000
+images, i.e. 31 such steps, which barely moves the thresholds. The demo therefore starts from calibrated thresholds
+and trains for 2 epochs at batch 32 (250 steps) with the paper's learning rates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from . import data as ldata
+from .bench import time_forward
+from .thresholds import atomic_write
+from .timm_patch import patch, vit_spec
+from .train import TrainConfig, create_model, evaluate, pick_device, tome_schedule, train
+
+
+def assets() -> Path:
+    return Path(str(resources.files("ltmp") / "assets"))
+
+
+BUNDLED_MODEL = "local-dir:{}".format(assets() / "vit-cifar10")
+BUNDLED_DATA = str(assets() / "cifar10-subset.tar.gz")
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    output: str = "ltmp-demo"
+    model: str | None = None  # default: the bundled CIFAR-10 ViT
+    pretrained: bool = True
+    checkpoint: str | None = None
+    data_dir: str | None = None  # default: the bundled CIFAR-10 subset
+    val_split: str = "test"
+    targets: tuple[float, ...] = (0.7, 0.5)
+    epochs: float = 2.0
+    batch_size: int = 32
+    augment: str = "light"
+    max_val_images: int | None = None
+    workers: int = 2
+    seed: int = 0
+
+
+def _timed_row(model, x: torch.Tensor, ev: dict, label: str, r_target: str) -> dict:
+    t = time_forward(model, x, warmup=5, reps=30)
+    return {"method": label, "r_target": r_target, "r_flops": ev["r_flops"], "gmacs": ev["gmacs"],
+            "top1": ev["top1"], "top1_ci95": ev["top1_ci95"], "latency_ms": 1000 * t["median"],
+            "latency_iqr_ms": [1000 * t["p25"], 1000 * t["p75"]], "rate": ev.get("rate")}
+
+
+def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
+    import ltmp
+    from .viz import denormalize, layer_groups, plot_layers, plot_pareto
+
+    t_start = time.perf_counter()
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    model_name = cfg.model or BUNDLED_MODEL
+    data_dir = cfg.data_dir or BUNDLED_DATA
+    device = pick_device("auto")
+
+    def fresh():
+        return create_model(model_name, cfg.pretrained, cfg.checkpoint).to(device)
+
+    model = fresh()
+    root = ldata.resolve_root(data_dir)
+    _, eval_tf, data_cfg = ldata.transforms_for(model, "none")
+    split = root / cfg.val_split
+    if not split.is_dir() and (root / "val").is_dir():
+        split = root / "val"
+    val_set = ldata.ImageFolder(split, eval_tf)
+    if cfg.max_val_images:
+        val_set = torch.utils.data.Subset(val_set, range(min(cfg.max_val_images, len(val_set))))
+    loader = DataLoader(val_set, batch_size=128, num_workers=cfg.workers, collate_fn=ldata.collate_skip)
+    one = next(iter(DataLoader(val_set, batch_size=1, collate_fn=ldata.collate_skip)))[0].to(device)
+
+    def say(msg: str) -> None:
+        if progress:
+            print(f"[{time.perf_counter() - t_start:5.0f}s] {msg}", flush=True)
+
+    say(f"model {model_name}, eval images {len(val_set)} from {split}")
+    dense = evaluate(model, loader, device, progress=progress, model_name=model_name)
+    rows = [_timed_row(model, one, dense, "dense", "-")]
+    results = [dense]
+    trained = {}
+    for target in cfg.targets:
+        run_dir = out / f"ltmp-r{target}"
+        say(f"training ltmp thresholds for r_target {target} -> {run_dir}")
+        tcfg = TrainConfig(model=model_name, pretrained=cfg.pretrained, checkpoint=cfg.checkpoint, data_dir=data_dir,
+                           output=str(run_dir), r_target=target, batch_size=cfg.batch_size, epochs=cfg.epochs,
+                           augment=cfg.augment, calibrate=True, seed=cfg.seed, workers=cfg.workers,
+                           val_split=cfg.val_split, eval_after=False, checkpoint_every=100)
+        thr = run_dir / "thresholds.safetensors"
+        if not thr.exists():
+            train(tcfg, resume=run_dir.exists(), progress=progress)
+        lt_model = ltmp.load_thresholds(fresh(), thr)
+        ev = evaluate(lt_model, loader, device, progress=progress, model_name=model_name)
+        rows.append(_timed_row(lt_model, one, ev, "ltmp", str(target)))
+        results.append(ev)
+        trained[target] = thr
+        sched = tome_schedule(vit_spec(model), ev["gmacs"])
+        tm_model = patch(fresh(), "tome", r=sched)
+        ev_t = evaluate(tm_model, loader, device, progress=progress, model_name=model_name)
+        from .train import mcnemar
+
+        ev_t["paired_test"] = mcnemar(ev["correct"], ev_t["correct"])
+        row = _timed_row(tm_model, one, ev_t, "tome", f"(match {target})")
+        row["mcnemar_p"] = ev_t["paired_test"]["p_value"]
+        rows.append(row)
+        results.append(ev_t)
+
+    plot_pareto(results, out / "accuracy_vs_gmacs.png",
+                title=f"{Path(model_name.split(':')[-1]).name}: {len(val_set)} eval images")
+    last = cfg.targets[-1]
+    viz_model = patch(create_model(model_name, cfg.pretrained, cfg.checkpoint), "ltmp", trace_source=True)
+    ltmp.load_thresholds(viz_model, trained[last])  # keeps trace_source
+    pics = []
+    for i in range(4):
+        img = val_set[i * (len(val_set) // 4)]
+        if img is None:
+            continue
+        x = img[0]
+        pics.append((f"image {i * (len(val_set) // 4)}", denormalize(x, data_cfg["mean"], data_cfg["std"]),
+                     layer_groups(viz_model, x)))
+    plot_layers(pics, out / "tokens.png", title=f"ltmp r_target {last}: merged groups (mean colour), pruned (grey)")
+    table = format_table(rows)
+    summary = {"rows": rows, "output": str(out.resolve()), "seconds": time.perf_counter() - t_start,
+               "threads": torch.get_num_threads(), "device": str(device), "eval_images": len(val_set)}
+    atomic_write(out / "results.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
+    atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(table + "\n"))
+    print(table)
+    print(f"\nwrote {out.resolve()}/: results.md, results.json, accuracy_vs_gmacs.png, tokens.png "
+          f"({summary['seconds']:.0f} s, {summary['threads']} threads, {device})")
+    return summary
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| method | r_target | r_FLOPs | GMACs | top-1 % (95% CI) | latency b=1 (ms) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["top1_ci95"]
+        lines.append(f"| {r['method']} | {r['r_target']} | {r['r_flops']:.3f} | {r['gmacs']:.4f} | "
+                     f"{r['top1']:.2f} ({lo:.1f}-{hi:.1f}) | {r['latency_ms']:.2f} |")
+    return "\n".join(lines)

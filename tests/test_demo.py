@@ -1,0 +1,92 @@
+"""Calibration, pretraining, visualization and the demo, on tiny models and data."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ltmp
+from conftest import THRESHOLDS, images, make_model
+from ltmp.cli import main
+from ltmp.train import calibrate
+from ltmp.viz import layer_groups, render_groups
+from test_cli import tiny_data, tiny_model  # noqa: F401  (fixtures)
+
+
+@pytest.mark.parametrize("method,target", [("ltmp", 0.6), ("ltp", 0.8)])
+def test_calibration_hits_the_target_without_training(method, target):
+    model = ltmp.patch(make_model("cls", torch.float32), method)
+    x = images(16, torch.float32)
+    r = calibrate(model, x, target)
+    assert abs(r - target) < 0.03, r
+    with torch.no_grad():
+        model.eval()(x)
+    assert abs(float(ltmp.r_flops(model).mean()) - r) < 1e-9
+
+
+def test_layer_groups_match_the_recorded_token_counts():
+    model = ltmp.patch(make_model("cls"), "ltmp", trace_source=True, **THRESHOLDS)
+    x = images(1)[0]
+    groups = layer_groups(model, x)
+    rec = ltmp.stats(model)
+    assert len(groups) == 3
+    for layer, g in enumerate(groups):
+        assert g.shape == (8, 8)
+        assert len(np.unique(g[g >= 0])) == int(rec.kept[0, layer])
+        assert (g < 0).sum() > 0 or rec.pruned[0, : layer + 1].sum() == 0
+    pic = render_groups(np.random.rand(32, 32, 3), groups[-1])
+    assert pic.shape == (32, 32, 3) and 0 <= pic.min() and pic.max() <= 1
+
+
+def test_pretrain_resumes_to_the_same_weights(tiny_data, tmp_path, monkeypatch):  # noqa: F811
+    import ltmp.pretrain as pt
+
+    small = dict(pt.MODEL_ARGS, embed_dim=32, depth=2, num_heads=2, num_classes=3)
+    monkeypatch.setattr(pt, "MODEL_ARGS", small)
+    common = ["--quiet", "pretrain", "--data-dir", str(tiny_data), "--epochs", "2", "--batch-size", "8",
+              "--workers", "0", "--val-split", "val"]
+    assert main(common + ["--output", str(tmp_path / "a")]) == 0
+    assert main(common + ["--output", str(tmp_path / "b"), "--stop-after-epoch", "1"]) == 0
+    assert not (tmp_path / "b" / "model").exists()
+    assert main(common + ["--output", str(tmp_path / "b")]) == 0
+    a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    log = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in log] == [1, 2]
+    cfg = json.loads((tmp_path / "a" / "model" / "config.json").read_text())
+    assert cfg["architecture"] == "vit_tiny_patch16_224" and cfg["pretrained_cfg"]["input_size"] == [3, 32, 32]
+
+
+def test_demo_writes_table_plot_and_token_picture(tiny_model, tiny_data, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "demo"
+    assert main(["--quiet", "demo", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data),
+                 "--val-split", "val", "--targets", "0.6", "--epochs", "1", "--batch-size", "8", "--workers", "0",
+                 "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| dense |" in printed and "| ltmp | 0.6 |" in printed and "| tome |" in printed
+    for name in ("results.md", "results.json", "accuracy_vs_gmacs.png", "tokens.png"):
+        assert (out / name).stat().st_size > 0, name
+    res = json.loads((out / "results.json").read_text())
+    ltmp_row = res["rows"][1]
+    assert abs(ltmp_row["r_flops"] - 0.6) < 0.1
+    assert abs(res["rows"][2]["gmacs"] - ltmp_row["gmacs"]) / ltmp_row["gmacs"] < 0.1
+
+
+def test_bundled_assets_load_and_fit_the_size_budget():
+    from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL, assets
+
+    total = sum(p.stat().st_size for p in assets().rglob("*") if p.is_file())
+    assert total < 10e6
+    model = ltmp.train.create_model(BUNDLED_MODEL, pretrained=True)
+    shared = load_file(str(assets() / "vit-cifar10" / "model.safetensors"))
+    assert all(v.dtype == torch.float16 for v in shared.values())
+    assert model.patch_embed.num_patches == 64
+    import tarfile
+
+    with tarfile.open(BUNDLED_DATA) as tar:
+        names = [m.name for m in tar.getmembers() if m.isfile()]
+    assert sum(n.startswith("train/") for n in names) == 4000 and sum(n.startswith("test/") for n in names) == 1000
