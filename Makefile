@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml requirements-dev.txt
 	touch $@
 
 demo: setup
-	$(BIN)/ltmp flops --model deit_small_patch16_224
+	$(BIN)/ltmp demo
 
 test: setup
 	$(BIN)/python -m pytest -q tests

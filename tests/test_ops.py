@@ -144,3 +144,19 @@ def test_compact_keeps_order_and_zero_pads():
     assert none is None
     assert new_keep.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert new_x[..., 0].tolist() == [[1, 3, 4], [6, 0, 0]]
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 2, 5])
+def test_contiguous_best_match_equals_the_general_split(prefix):
+    g = torch.Generator().manual_seed(prefix)
+    metric = torch.randn(3, 11, 4, generator=g, dtype=torch.float64)
+    metric[:, 7] = metric[:, 3]  # a tie: the first B token must win in both
+    keep = torch.tensor([[1.0] * 11, [1.0] * 8 + [0.0] * 3, [1.0] * (prefix + 1) + [0.0] * (10 - prefix)],
+                        dtype=torch.float64)
+    is_a, is_b = ops.bipartite_sets(keep, prefix)
+    score, dst = ops.best_match(metric, is_a, is_b)
+    score_c, dst_c, is_a_c = ops.best_match_contiguous(metric, keep, prefix)
+    assert torch.equal(is_a, is_a_c)
+    assert torch.allclose(score[is_a], score_c[is_a], atol=1e-12)
+    assert torch.equal(dst[is_a & torch.isfinite(score)], dst_c[is_a & torch.isfinite(score)])
+    assert torch.isinf(score_c[~is_a]).all()

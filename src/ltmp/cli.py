@@ -134,6 +134,80 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _reduced_model(args, model):
+    import ltmp
+
+    if args.thresholds:
+        return ltmp.load_thresholds(model, args.thresholds)
+    if args.method in (None, "dense"):
+        raise CLIError("pass --thresholds FILE or a fixed-rate --method (tome, topk-prune, topk-mp) to compare")
+    if args.method in ("ltmp", "ltpm", "ltm", "ltp"):
+        raise CLIError(f"--method {args.method} needs learned thresholds: pass --thresholds FILE")
+    return ltmp.patch(model, args.method, r=_rates(args.r) if args.method == "tome" else None,
+                      k=_rates(args.k) if args.method != "tome" else None)
+
+
+def cmd_bench(args) -> int:
+    import copy
+    import platform
+
+    import torch
+
+    import ltmp
+    from . import data as ldata
+    from .bench import compare_models
+    from .train import create_model, pick_device
+
+    device = pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dense = create_model(args.model, args.pretrained, args.checkpoint).to(device).eval()
+    reduced = _reduced_model(args, copy.deepcopy(dense)).to(device).eval()
+    spec = ltmp.vit_spec(dense)
+    if args.data_dir:
+        root = ldata.resolve_root(args.data_dir)
+        _, tf, _ = ldata.transforms_for(dense, "none")
+        split = root / args.val_split
+        if not split.is_dir() and (root / "test").is_dir():
+            split = root / "test"
+        ds = ldata.ImageFolder(split, tf)
+        batch = torch.stack([ds[i][0] for i in range(min(args.batch_size, len(ds)))])
+    else:
+        g = torch.Generator().manual_seed(0)
+        batch = torch.randn(args.batch_size, *dense.pretrained_cfg.get("input_size", (3, 224, 224)), generator=g)
+    result = {"model": args.model, "device": str(device), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "machine": platform.machine(), "method": reduced.ltmp_config.method,
+              "gmacs_dense": ltmp.dense_gmacs(spec), "runs": []}
+    for bs in sorted({1, args.batch_size}):
+        x = batch[:bs].to(device)
+        with torch.no_grad():
+            reduced(x)
+        rec = ltmp.stats(reduced)
+        g_mean = float(ltmp.gmacs(spec, rec.kept.cpu()).mean())
+        g_exec = ltmp.gmacs_executed(spec, rec.padded)
+        t = compare_models({"dense": dense, "reduced": reduced}, x, warmup=args.warmup, reps=args.reps,
+                           rounds=args.rounds)
+        run = {"batch_size": bs, "dense_ms": 1000 * t["dense"]["median"], "reduced_ms": 1000 * t["reduced"]["median"],
+               "dense_iqr_ms": [1000 * t["dense"]["p25"], 1000 * t["dense"]["p75"]],
+               "reduced_iqr_ms": [1000 * t["reduced"]["p25"], 1000 * t["reduced"]["p75"]],
+               "time_ratio": t["reduced"]["median"] / t["dense"]["median"],
+               "gmacs": g_mean, "gmacs_ratio": g_mean / result["gmacs_dense"],
+               "gmacs_executed": g_exec, "gmacs_executed_ratio": g_exec / result["gmacs_dense"],
+               "throughput_dense": bs / t["dense"]["median"], "throughput_reduced": bs / t["reduced"]["median"]}
+        result["runs"].append(run)
+        print(f"batch {bs}: dense {run['dense_ms']:.2f} ms, {result['method']} {run['reduced_ms']:.2f} ms "
+              f"(IQR {run['reduced_iqr_ms'][0]:.2f}-{run['reduced_iqr_ms'][1]:.2f}); time ratio "
+              f"{run['time_ratio']:.3f}, GMACs ratio {run['gmacs_ratio']:.3f} (executed "
+              f"{run['gmacs_executed_ratio']:.3f}); {run['throughput_reduced']:.1f} vs "
+              f"{run['throughput_dense']:.1f} img/s")
+    print(f"{result['device']}, {result['threads']} threads, torch {result['torch']}")
+    if args.json:
+        from .thresholds import atomic_write
+
+        atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=2)))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import DemoConfig, run_demo
 
@@ -208,6 +282,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-images", type=int, help="evaluate only the first N images")
     e.add_argument("--json", help="write the full result here")
     e.set_defaults(func=cmd_eval)
+
+    b = sub.add_parser("bench", help="latency at batch 1 and throughput at batch N against the dense model")
+    _add_model_args(b)
+    b.add_argument("--thresholds", help="thresholds.safetensors from ltmp train")
+    b.add_argument("--method", choices=["tome", "topk-prune", "topk-mp"])
+    b.add_argument("--r", help="ToMe: tokens merged per layer (int or per-layer list)")
+    b.add_argument("--k", help="top-k baselines: tokens per layer (int or per-layer list)")
+    b.add_argument("--batch-size", type=int, default=32, help="throughput batch (batch 1 is always timed)")
+    b.add_argument("--data-dir", help="time on the first images of this eval split (default: random input)")
+    b.add_argument("--val-split", default="val")
+    b.add_argument("--warmup", type=int, default=3)
+    b.add_argument("--reps", type=int, default=10, help="timed forwards per model per round")
+    b.add_argument("--rounds", type=int, default=3, help="interleaved rounds (dense, reduced, dense, ...)")
+    b.add_argument("--threads", type=int, help="torch CPU threads")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--json", help="write the result here")
+    b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="the whole method in minutes on the bundled CIFAR-10 ViT and images (default)")
     d.add_argument("--output", default="ltmp-demo", help="folder for the table, plots and trained thresholds")

@@ -150,6 +150,41 @@ def best_match(metric: Tensor, is_a: Tensor, is_b: Tensor) -> tuple[Tensor, Tens
     return score, dst
 
 
+def best_match_contiguous(metric: Tensor, keep: Tensor, num_prefix: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`bipartite_sets` + :func:`best_match` for survivors stored contiguously (eval mode after compaction).
+
+    Survivor ranks are then the positions themselves, so A and B are the even and odd positions, as in ToMe's
+    ``metric[::2]`` / ``metric[1::2]`` split, and the similarity matrix is (N/2) x (N/2) instead of N x N. B tokens
+    stay in sequence order, so ties resolve exactly as in :func:`best_match`.
+
+    Args:
+        metric: (B, N, D) keys averaged over heads.
+        keep: (B, N) survivors, all at the front of each row (padding after them).
+        num_prefix: Prefix tokens at the front.
+
+    Returns:
+        ``score`` (B, N), ``dst`` (B, N) and ``is_a`` (B, N), as :func:`best_match` and :func:`bipartite_sets`.
+    """
+    B, N, _ = metric.shape
+    m = metric / metric.norm(dim=-1, keepdim=True)  # (B, N, D)
+    pos = torch.arange(N, device=metric.device)
+    alive = (keep > 0.5) & (pos >= num_prefix)  # (B, N) mergeable survivors
+    sim = m[:, ::2] @ m[:, 1::2].transpose(-1, -2)  # (B, Na, Nb)
+    sim = sim.masked_fill(~alive[:, None, 1::2], float("-inf"))
+    if sim.shape[-1] == 0:  # a single token left: nothing to merge into
+        best, j = sim.new_full(sim.shape[:2], float("-inf")), torch.zeros(sim.shape[:2], dtype=torch.long,
+                                                                           device=sim.device)
+    else:
+        best, j = sim.max(dim=-1)  # (B, Na)
+    is_a = torch.zeros_like(alive)
+    is_a[:, ::2] = alive[:, ::2]
+    score = torch.full((B, N), float("-inf"), dtype=best.dtype, device=best.device)
+    score[:, ::2] = best.masked_fill(~alive[:, ::2], float("-inf"))
+    dst = torch.zeros(B, N, dtype=torch.long, device=metric.device)
+    dst[:, ::2] = 2 * j + 1
+    return score, dst, is_a
+
+
 def topk_mask(scores: Tensor, candidates: Tensor, k: Tensor, largest: bool) -> Tensor:
     """Select the ``k`` highest (or lowest) scoring candidates per image.
 

@@ -124,12 +124,17 @@ def reduce_step(
     rate = layer_rate(cfg.rate, layer)
     for op in cfg.ops:
         if op == "merge":
-            is_a, is_b = ops.bipartite_sets(keep, P)  # (B, N) each
-            score, dst = ops.best_match(metric, is_a, is_b)  # (B, N) each
+            if state.compact and keep is state.keep:  # survivors still contiguous: ToMe's even/odd split
+                score, dst, is_a = ops.best_match_contiguous(metric, keep, P)  # (B, N) each
+                n_b = (keep > 0.5).sum(1) // 2 - P // 2  # (B,) odd positions past the prefix
+            else:
+                is_a, is_b = ops.bipartite_sets(keep, P)  # (B, N) each
+                score, dst = ops.best_match(metric, is_a, is_b)  # (B, N) each
+                n_b = is_b.sum(1)
             if cfg.learned:
                 merge = ops.threshold_mask(score, merge_threshold, cfg.tau) * is_a  # (B, N)
             else:
-                k = torch.minimum(is_a.sum(1), is_b.sum(1)).clamp(max=rate)  # (B,)
+                k = torch.minimum(is_a.sum(1), n_b).clamp(max=rate)  # (B,)
                 merge = ops.topk_mask(score, is_a, k, largest=True).to(x.dtype)  # (B, N)
             hard = merge.detach() > 0.5  # (B, N)
             if bool(hard.any()) or merge.requires_grad:
@@ -162,6 +167,8 @@ def reduce_step(
     result = StepResult(merged=merged, pruned=pruned, kept=(patch_keep > 0.5).sum(1), kept_frac=patch_keep.sum(1))
     if state.compact and state.masked_once and bool((keep <= 0.5).any()):
         keep, (x, size, source) = ops.compact(keep, x, size, source)
+        # without padding (e.g. batch 1) the next block needs no mask at all
+        state = dataclasses.replace(state, masked_once=bool((keep <= 0.5).any()))
     return x, dataclasses.replace(state, size=size, keep=keep, source=source), result
 
 
