@@ -243,3 +243,17 @@ def test_amp_training_and_holdout(tiny_model, tiny_data, tmp_path):
     ev = json.loads((out / "eval.json").read_text())
     assert ev["images"] == 12  # 25% of the 48 training images, not the val split
     assert json.loads((out / "config.json").read_text())["train_images"] == 36
+
+
+def test_bench_reports_time_and_gmacs_ratios(tiny_model, tiny_data, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", tiny_model, "--pretrained", "--method", "tome", "--r", "4", "--batch-size", "4",
+                 "--data-dir", str(tiny_data), "--reps", "2", "--rounds", "1", "--warmup", "1",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["batch_size"] for r in res["runs"]] == [1, 4]
+    for r in res["runs"]:
+        assert r["time_ratio"] == pytest.approx(r["reduced_ms"] / r["dense_ms"])
+        assert 0 < r["gmacs_ratio"] < 1 and r["gmacs_executed_ratio"] >= r["gmacs_ratio"] - 1e-12
+    assert {"device", "threads", "gmacs_dense"} <= set(res)
+    assert "time ratio" in capsys.readouterr().out
