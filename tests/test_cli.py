@@ -257,3 +257,24 @@ def test_bench_reports_time_and_gmacs_ratios(tiny_model, tiny_data, tmp_path, ca
         assert 0 < r["gmacs_ratio"] < 1 and r["gmacs_executed_ratio"] >= r["gmacs_ratio"] - 1e-12
     assert {"device", "threads", "gmacs_dense"} <= set(res)
     assert "time ratio" in capsys.readouterr().out
+
+
+def test_resume_refuses_changed_settings_and_fresh_runs_drop_stale_checkpoints(tiny_model, tiny_data, tmp_path,
+                                                                               capsys):
+    out = tmp_path / "run"
+    args = ["--steps", "6", "--checkpoint-every", "2", "--no-eval"]
+    assert main(train_args(tiny_model, tiny_data, out, *args)) == 0
+    # fake an interrupted run: a checkpoint left behind, no final thresholds
+    from ltmp.train import TrainConfig, save_checkpoint
+
+    model = ltmp.load_thresholds(timm.create_model(tiny_model, pretrained=True), out / "thresholds.safetensors")
+    cfg = TrainConfig(model=tiny_model, data_dir=str(tiny_data), output=str(out), r_target=0.6, pretrained=True,
+                      batch_size=8, steps=6, checkpoint_every=2, workers=0, lr_prune=5e-3, eval_after=False)
+    save_checkpoint(model, out / "checkpoint.safetensors", 2, cfg)
+    (out / "thresholds.safetensors").unlink()
+    bad = train_args(tiny_model, tiny_data, out, *args, "--resume")
+    bad[bad.index("8")] = "4"  # another batch size
+    code, err = run_cli(bad, capsys)
+    assert code == 2 and "started with batch_size=8, not 4" in err
+    assert main(train_args(tiny_model, tiny_data, out, *args)) == 0  # fresh run: the stale checkpoint goes
+    assert not (out / "checkpoint.safetensors").exists()

@@ -34,7 +34,8 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-split", default="val", help="validation split folder (CIFAR-10 layout: test)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--workers", type=int, default=2, help="data loader processes")
-    p.add_argument("--amp", action="store_true", help="mixed precision: bf16 on the CPU, fp16 on CUDA")
+    p.add_argument("--amp", nargs="?", const="auto", default="", choices=["auto", "bf16", "fp16"],
+                   help="mixed precision: bf16 where supported (CPU, recent GPUs), else fp16; or name it")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
 
 
@@ -323,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--batch-size", type=int, default=128)
     pt.add_argument("--workers", type=int, default=2)
     pt.add_argument("--seed", type=int, default=0)
-    pt.add_argument("--amp", action="store_true")
+    pt.add_argument("--amp", nargs="?", const="auto", default="", choices=["auto", "bf16", "fp16"])
     pt.add_argument("--device", default="auto")
     pt.set_defaults(func=cmd_pretrain)
     return p

@@ -3,7 +3,7 @@
 - Preprocessing comes from the model (timm ``resolve_data_config`` + ``create_transform``).
 - A ``.tar.gz`` archive in ImageFolder layout (e.g. ``../shared/data/cifar10/cifar10-jpeg.tar.gz``) is unpacked
   once into a cache folder (``$LTMP_CACHE`` or ``~/.cache/ltmp``) and then read like a folder.
-- Unreadable images are skipped and counted (``SkipCounter``), never silently replaced by another sample.
+- Unreadable images are skipped and counted (:func:`collate_skip`), never silently replaced by another sample.
 - Augmentation randomness is a pure function of (seed, epoch, index): runs resume and shard across processes
   with exactly the same transformed images.
 """

@@ -216,7 +216,8 @@ def merge_tokens(
 
     ``x_dst <- (size_dst x_dst + sum_a size_a x_a) / (size_dst + sum_a size_a)`` and the sizes add up. The
     (straight-through) merge mask multiplies the weights, so gradients reach the merge thresholds. Tokens that
-    receive nothing are returned bit-identical.
+    receive nothing are returned bit-identical in value, with the gradient of the weighted average (so a merge
+    threshold also learns from the A tokens that stayed just below it).
 
     Args:
         x: (B, N, C) tokens.
@@ -235,7 +236,9 @@ def merge_tokens(
     den = size.to(dt).scatter_add(1, dst, w)  # (B, N)
     num = (xs * size[..., None]).scatter_add(1, dst[..., None].expand_as(xs), xs * w[..., None])  # (B, N, C)
     received = torch.zeros_like(w).scatter_add(1, dst, merge.detach().to(dt)) > 0  # (B, N)
-    x = torch.where(received[..., None], (num / den[..., None]).to(x.dtype), x)  # (B, N, C)
+    q = (num / den[..., None]).to(x.dtype)  # (B, N, C)
+    # tokens that receive nothing keep their exact value but pass the surrogate gradient of would-be merges
+    x = torch.where(received[..., None], q, x.detach() + (q - q.detach()))  # (B, N, C)
     if extra is not None:
         hard = (merge.detach() > 0.5).to(extra.dtype)
         extra = extra.scatter_add(1, dst[..., None].expand_as(extra), extra * hard[..., None])  # (B, N, K)

@@ -52,7 +52,7 @@ class PretrainConfig:
     val_split: str = "test"
     checkpoint_every: int = 100
     workers: int = 2
-    amp: bool = False
+    amp: str = ""  # mixed precision mode, as in ltmp train
     device: str = "auto"
 
 

@@ -58,7 +58,7 @@ class TrainConfig:
     holdout: float = 0.0  # fraction of train held out for validation (the paper used 0.02)
     max_train_images: int | None = None  # a fixed random subset of the training images
     augment: str = "timm"  # timm (paper) | light | none
-    amp: bool = False  # mixed precision: bf16 on CPU, fp16 on CUDA
+    amp: str = ""  # mixed precision: "" off, "auto" (bf16 where supported, else fp16), "bf16", "fp16" (GPU)
     seed: int = 0
     checkpoint_every: int = 50  # steps between atomic checkpoints
     log_every: int = 1  # steps between JSONL log lines
@@ -105,11 +105,23 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def amp_context(enabled: bool, device: torch.device):
-    if not enabled:
-        return contextlib.nullcontext()
-    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    return torch.autocast(device.type, dtype=dtype)
+def amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of an ``--amp`` mode: "auto" is bf16 where supported (every CPU, Ampere and newer
+    GPUs), else fp16; "fp16" is for GPUs only. None when mixed precision is off."""
+    if not mode:
+        return None
+    if mode == "fp16" and device.type != "cuda":
+        raise TrainError("--amp fp16 needs a CUDA device; use --amp bf16 on the CPU")
+    if mode == "fp16" or (mode == "auto" and device.type == "cuda" and not torch.cuda.is_bf16_supported()):
+        return torch.float16
+    if mode not in ("auto", "bf16"):
+        raise TrainError(f"unknown --amp mode '{mode}'; choose auto, bf16 or fp16")
+    return torch.bfloat16
+
+
+def amp_context(mode: str, device: torch.device):
+    dtype = amp_dtype(mode, device)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def threshold_training_mode(model: nn.Module) -> nn.Module:
@@ -215,8 +227,14 @@ def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig) -
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
-def load_checkpoint_state(model: nn.Module, path: Path) -> int:
-    """Restore thresholds from a training checkpoint; returns the step to continue from."""
+#: settings that must not change when a run resumes (they decide which images and targets each step sees)
+RESUME_KEYS = ("model", "data_dir", "method", "importance", "r_target", "batch_size", "epochs", "steps", "seed",
+               "holdout", "max_train_images", "augment", "train_split", "tau", "lam")
+
+
+def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> int:
+    """Restore thresholds from a training checkpoint made with the same settings; returns the step to continue
+    from."""
     from safetensors import safe_open
 
     try:
@@ -227,6 +245,12 @@ def load_checkpoint_state(model: nn.Module, path: Path) -> int:
         raise TrainError(f"cannot read checkpoint {path} ({type(e).__name__}); delete it to start over") from None
     if meta.get("format") != "ltmp-train-checkpoint":
         raise TrainError(f"{path} is not an ltmp training checkpoint; delete it to start over")
+    saved = json.loads(meta.get("config", "{}"))
+    changed = [k for k in RESUME_KEYS if saved.get(k) != _jsonable(cfg)[k]]
+    if changed:
+        k = changed[0]
+        raise TrainError(f"cannot resume {path.parent}: it was started with {k}={saved.get(k)!r}, not "
+                         f"{_jsonable(cfg)[k]!r}; resume with the same settings or use another --output")
     params = dict(getattr(model, "module", model).named_parameters())
     with torch.no_grad():
         for k, v in tensors.items():
@@ -287,10 +311,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     ddp, device = init_distributed(cfg.device)
     out = Path(cfg.output)
     ckpt_path = out / "checkpoint.safetensors"
+    if not resume and (out / "thresholds.safetensors").exists():  # checked on every rank: none may go on
+        raise TrainError(f"{out} already holds a finished run; pass another --output, or --resume")
     if ddp.main:
         out.mkdir(parents=True, exist_ok=True)
-        if not resume and (out / "thresholds.safetensors").exists():
-            raise TrainError(f"{out} already holds a finished run; pass another --output, or --resume")
+        if not resume and ckpt_path.exists():
+            ckpt_path.unlink()  # a stale checkpoint of an earlier run must not be resumed later
     torch.manual_seed(cfg.seed)
     model = create_model(cfg.model, cfg.pretrained, cfg.checkpoint)
     patch(model, cfg.method, tau=cfg.tau, importance=cfg.importance, merge_threshold=cfg.merge_init,
@@ -304,7 +330,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         calibrate(model, calibration_batch(model, train_set, indices, cfg), cfg.r_target, device)
         threshold_training_mode(model)
     if resume and ckpt_path.exists():
-        start = load_checkpoint_state(model, ckpt_path)
+        start = load_checkpoint_state(model, ckpt_path, cfg)
     elif resume and (out / "thresholds.safetensors").exists():
         raise TrainError(f"{out} holds a finished run and no checkpoint; nothing to resume")
 
@@ -316,6 +342,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     groups = [g for g in ({"params": merge_p, "lr": cfg.lr_merge}, {"params": prune_p, "lr": cfg.lr_prune})
               if g["params"]]
     opt = torch.optim.SGD(groups, lr=cfg.lr_merge, momentum=0.0)
+    # fp16 gradients of the thresholds underflow without loss scaling
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(cfg.amp, device) == torch.float16)
 
     sampler = StepBatches(len(indices), cfg.batch_size, steps, cfg.seed, ddp.rank, ddp.world, start)
     loader = DataLoader(EpochIndexed(train_set, indices, cfg.seed), batch_sampler=sampler,
@@ -329,7 +357,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(resolved, indent=2)))
         kept_lines = []
         if start and log_path.exists():
-            kept_lines = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
+            kept_lines = [ln for ln in log_path.read_text().splitlines() if _log_step(ln) <= start]
         atomic_write(log_path, lambda tmp: Path(tmp).write_text("".join(ln + "\n" for ln in kept_lines)))
 
     import ltmp
@@ -348,7 +376,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     try:
         for step, (imgs, labels, _, nskip) in enumerate(loader, start=start):
             skipped += nskip
-            if imgs is None:
+            empty = imgs is None
+            if ddp.world > 1:  # every rank must skip together, or the collectives fall out of step
+                flag = torch.tensor([float(empty)], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                empty = bool(flag.item())
+            if empty:
                 continue
             imgs, labels = imgs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             with amp_context(cfg.amp, device):
@@ -362,8 +395,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             reg = budget_loss_value(r, cfg.r_target)
             loss = ce + cfg.lam * reg
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
             seen += imgs.shape[0] * ddp.world
             done = step + 1
             if ddp.main:
@@ -392,14 +426,24 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         if ckpt_path.exists():
             ckpt_path.unlink()
         result["thresholds"] = str(out / "thresholds.safetensors")
+    if ddp.world > 1:
+        dist.barrier()  # the other ranks are done; rank 0 evaluates alone
+        if not ddp.main:
+            return result
     if cfg.eval_after and val_set is not None and ddp.main:
         loader = DataLoader(val_set, batch_size=cfg.batch_size, num_workers=cfg.workers,
                             collate_fn=ldata.collate_skip)
         result["eval"] = evaluate(model, loader, device, amp=cfg.amp, progress=progress, model_name=cfg.model)
         atomic_write(out / "eval.json", lambda tmp: Path(tmp).write_text(json.dumps(result["eval"], indent=2)))
-    if ddp.world > 1:
-        dist.barrier()
     return result
+
+
+def _log_step(line: str) -> float:
+    """The step of a log line; a line cut short by a crash counts as past any checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return float("inf")
 
 
 # ------------------------------------------------------------------------------------------------------ calibrate
@@ -487,7 +531,7 @@ def mcnemar(correct_a: str, correct_b: str) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device | str = "cpu", amp: bool = False,
+def evaluate(model: nn.Module, loader, device: torch.device | str = "cpu", amp: str = "",
              progress: bool = True, model_name: str = "") -> dict:
     """Accuracy, GMACs from actual token counts, executed (padded) GMACs and per-layer token counts.
 
