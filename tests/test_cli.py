@@ -61,7 +61,7 @@ def train_args(model, data, out, *extra):
 
 def thresholds_of(path) -> dict[str, float]:
     tensors, _ = ltmp.read_thresholds(path)
-    return {k: float(v) for k, v in tensors.items()}
+    return {f"{k}.{i}": float(v) for k, t in tensors.items() for i, v in enumerate(t)}
 
 
 def test_train_writes_thresholds_config_log_and_eval(tiny_model, tiny_data, tmp_path, capsys):
@@ -76,7 +76,7 @@ def test_train_writes_thresholds_config_log_and_eval(tiny_model, tiny_data, tmp_
     ev = json.loads((out / "eval.json").read_text())
     assert ev["images"] == 18 and len(ev["per_layer"]) == 3
     first = log[0]["merge"]
-    assert thresholds_of(out / "thresholds.safetensors")["blocks.0.merge_threshold"] != pytest.approx(0.9)
+    assert thresholds_of(out / "thresholds.safetensors")["merge_threshold.0"] != pytest.approx(0.9)
     assert first[0] != 0.9
     assert "thresholds:" in capsys.readouterr().out
 

@@ -1,12 +1,11 @@
 """Learned thresholds are the whole learned state of LTMP: save and load them alone, in safetensors.
 
-A threshold file holds one scalar per block and kind (``blocks.<i>.merge_threshold``, ``blocks.<i>.prune_threshold``)
+A threshold file holds one (L,) tensor per kind (``merge_threshold``, ``prune_threshold``; entry i belongs to block i)
 and metadata: method, tau, importance, depth, embed dim, prefix tokens, patch grid, image size and (for
 information only) the model name. It is a few hundred bytes.
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import warnings
@@ -60,10 +59,29 @@ def atomic_write(path: str | os.PathLike, write) -> None:
 
 
 def threshold_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The learned thresholds of a patched model, by parameter name (``blocks.<i>.<kind>_threshold``)."""
+    """The learned thresholds of a patched model, one (L,) fp32 tensor per kind: ``merge_threshold`` and/or
+    ``prune_threshold``, in block order."""
     model = _unwrap(model)
-    return {name: p.detach().float().cpu().reshape(()) for name, p in model.named_parameters()
-            if name.endswith(THRESHOLD_NAMES)}
+    out = {}
+    for kind in THRESHOLD_NAMES:
+        values = [getattr(b, kind) for b in model.blocks if kind in b._parameters]
+        if values:
+            out[kind] = torch.stack([v.detach().float().cpu().reshape(()) for v in values])  # (L,)
+    return out
+
+
+def set_thresholds(model: nn.Module, tensors: dict[str, torch.Tensor], source: str = "") -> None:
+    """Copy (L,) threshold tensors (as from :func:`threshold_tensors`) into a patched model's parameters."""
+    model = _unwrap(model)
+    expected = {k: v.shape for k, v in threshold_tensors(model).items()}
+    got = {k: v.shape for k, v in tensors.items()}
+    if got != expected:
+        raise ValueError(f"thresholds{' in ' + source if source else ''} do not fit this model's patch "
+                         f"(file holds {got}, the model needs {expected})")
+    with torch.no_grad():
+        for kind, values in tensors.items():
+            for blk, v in zip(model.blocks, values):
+                getattr(blk, kind).copy_(v)
 
 
 def save_thresholds(model: nn.Module, path: str | os.PathLike, extra: dict[str, str] | None = None) -> None:
@@ -126,17 +144,6 @@ def load_thresholds(model: nn.Module, path: str | os.PathLike) -> nn.Module:
                       f"importance scores scale with the token count, so the reduction will differ", stacklevel=2)
     trace = getattr(getattr(target, "ltmp_config", None), "trace_source", False)
     patch(target, meta["method"], tau=float(meta["tau"]), importance=meta["importance"], trace_source=trace)
-    params = dict(target.named_parameters())
-    expected = {n for n in params if n.endswith(THRESHOLD_NAMES)}
-    if set(tensors) != expected:
-        raise ValueError(f"thresholds in {path} do not match method '{meta['method']}' on this model "
-                         f"(missing {sorted(expected - set(tensors))[:3]}, extra {sorted(set(tensors) - expected)[:3]})")
-    with torch.no_grad():
-        for name, value in tensors.items():
-            params[name].copy_(value.reshape(()))
+    set_thresholds(target, tensors, str(path))
     return model
 
-
-def metadata_json(path: str | os.PathLike) -> str:
-    """The metadata of a threshold file as JSON (for printing)."""
-    return json.dumps(read_thresholds(path)[1], indent=2, sort_keys=True)

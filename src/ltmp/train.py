@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 
 from . import data as ldata
 from .flops import budget_loss_value, dense_gmacs, gmacs, gmacs_executed
-from .thresholds import atomic_write, save_thresholds, threshold_tensors
+from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
 from .timm_patch import THRESHOLD_NAMES, patch, vit_spec
 
 
@@ -251,10 +251,7 @@ def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> int
         k = changed[0]
         raise TrainError(f"cannot resume {path.parent}: it was started with {k}={saved.get(k)!r}, not "
                          f"{_jsonable(cfg)[k]!r}; resume with the same settings or use another --output")
-    params = dict(getattr(model, "module", model).named_parameters())
-    with torch.no_grad():
-        for k, v in tensors.items():
-            params[k].copy_(v.reshape(()))
+    set_thresholds(model, tensors, str(path))
     return int(meta["step"])
 
 
