@@ -285,17 +285,3 @@ def test_class_attention_importance_runs_and_records_choice(tmp_path):
         model(images(2))
     assert ltmp.stats(model).pruned.sum() > 0
 
-
-def test_merge_threshold_learns_from_tokens_just_below_it():
-    """A token that does not merge still passes the surrogate gradient of merging into its target's value."""
-    from ltmp import ops
-
-    x = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]], dtype=torch.float64)
-    size = torch.ones(1, 2, dtype=torch.float64)
-    theta = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
-    merge = ops.threshold_mask(torch.tensor([[0.45, float("-inf")]], dtype=torch.float64), theta, 0.1)
-    assert merge.tolist() == [[0.0, 0.0]]
-    new_x, _, _ = ops.merge_tokens(x, size, merge, torch.tensor([[1, 1]]))
-    assert torch.equal(new_x.detach(), x)
-    new_x[0, 1, 0].backward()
-    assert theta.grad.abs() > 0
