@@ -105,10 +105,7 @@ def cmd_eval(args) -> int:
                    k=_rates(args.k) if args.method != "tome" else None)
     root = ldata.resolve_root(args.data_dir)
     _, eval_tf, _ = ldata.transforms_for(model, "none")
-    split = root / args.val_split
-    if not split.is_dir() and args.val_split == "val" and (root / "test").is_dir():
-        split = root / "test"
-    dataset = ldata.ImageFolder(split, eval_tf)
+    dataset = ldata.ImageFolder(ldata.split_dir(root, args.val_split), eval_tf)
     if args.max_images:
         dataset = torch.utils.data.Subset(dataset, range(min(args.max_images, len(dataset))))
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
@@ -168,10 +165,7 @@ def cmd_bench(args) -> int:
     if args.data_dir:
         root = ldata.resolve_root(args.data_dir)
         _, tf, _ = ldata.transforms_for(dense, "none")
-        split = root / args.val_split
-        if not split.is_dir() and (root / "test").is_dir():
-            split = root / "test"
-        ds = ldata.ImageFolder(split, tf)
+        ds = ldata.ImageFolder(ldata.split_dir(root, args.val_split), tf)
         batch = torch.stack([ds[i][0] for i in range(min(args.batch_size, len(ds)))])
     else:
         g = torch.Generator().manual_seed(0)

@@ -161,7 +161,12 @@ def transforms_for(model: torch.nn.Module, augment: str):
 
 
 def split_dir(root: Path, name: str) -> Path:
-    return root / name
+    """``root/name``; a missing ``val``/``test`` split falls back to the other (CIFAR-10 names its val split test)."""
+    path = root / name
+    other = {"val": "test", "test": "val"}.get(name)
+    if not path.is_dir() and other and (root / other).is_dir():
+        return root / other
+    return path
 
 
 def holdout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -77,9 +77,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     model = fresh()
     root = ldata.resolve_root(data_dir)
     _, eval_tf, data_cfg = ldata.transforms_for(model, "none")
-    split = root / cfg.val_split
-    if not split.is_dir() and (root / "val").is_dir():
-        split = root / "val"
+    split = ldata.split_dir(root, cfg.val_split)
     val_set = ldata.ImageFolder(split, eval_tf)
     if cfg.max_val_images:
         val_set = torch.utils.data.Subset(val_set, range(min(cfg.max_val_images, len(val_set))))

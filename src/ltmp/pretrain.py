@@ -112,7 +112,7 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> dict:
                           T.ToTensor(), norm])
     test_tf = T.Compose([T.Resize(32), T.ToTensor(), norm])
     train_set = ldata.ImageFolder(root / "train", train_tf)
-    test_set = ldata.ImageFolder(root / cfg.val_split, test_tf, train_set.classes)
+    test_set = ldata.ImageFolder(ldata.split_dir(root, cfg.val_split), test_tf, train_set.classes)
     decay = [p for n, p in model.named_parameters() if p.ndim > 1 and "pos_embed" not in n and "token" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim > 1 and "pos_embed" not in n
                                                                and "token" not in n)]

@@ -274,8 +274,6 @@ def build_train_data(cfg: TrainConfig, model: nn.Module):
         val_set = Subset(ldata.ImageFolder(train_set.root, eval_tf, train_set.classes), held)
     else:
         val_root = ldata.split_dir(root, cfg.val_split)
-        if not val_root.is_dir() and cfg.val_split == "val" and (root / "test").is_dir():
-            val_root = root / "test"  # CIFAR-10 layout names its val split test
         val_set = ldata.ImageFolder(val_root, eval_tf, train_set.classes) if val_root.is_dir() else None
     return train_set, indices, val_set, data_cfg
 
