@@ -25,7 +25,7 @@ from . import data as ldata
 from .bench import time_forward
 from .thresholds import atomic_write
 from .timm_patch import patch, vit_spec
-from .train import TrainConfig, create_model, evaluate, pick_device, tome_schedule, train
+from .train import TrainConfig, create_model, evaluate, mcnemar, pick_device, tome_schedule, train
 
 
 def assets() -> Path:
@@ -111,8 +111,6 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         sched = tome_schedule(vit_spec(model), ev["gmacs"])
         tm_model = patch(fresh(), "tome", r=sched)
         ev_t = evaluate(tm_model, loader, device, progress=progress, model_name=model_name)
-        from .train import mcnemar
-
         ev_t["paired_test"] = mcnemar(ev["correct"], ev_t["correct"])
         row = _timed_row(tm_model, one, ev_t, "tome", f"(match {target})")
         row["mcnemar_p"] = ev_t["paired_test"]["p_value"]

@@ -215,15 +215,11 @@ class EpochIndexed(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
 
-def _jsonable(cfg: TrainConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig) -> None:
     from safetensors.torch import save_file
 
     tensors = {k: v.contiguous() for k, v in threshold_tensors(model).items()}
-    meta = {"format": "ltmp-train-checkpoint", "step": str(step), "config": json.dumps(_jsonable(cfg))}
+    meta = {"format": "ltmp-train-checkpoint", "step": str(step), "config": json.dumps(dataclasses.asdict(cfg))}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
@@ -246,11 +242,12 @@ def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> int
     if meta.get("format") != "ltmp-train-checkpoint":
         raise TrainError(f"{path} is not an ltmp training checkpoint; delete it to start over")
     saved = json.loads(meta.get("config", "{}"))
-    changed = [k for k in RESUME_KEYS if saved.get(k) != _jsonable(cfg)[k]]
+    now = dataclasses.asdict(cfg)
+    changed = [k for k in RESUME_KEYS if saved.get(k) != now[k]]
     if changed:
         k = changed[0]
         raise TrainError(f"cannot resume {path.parent}: it was started with {k}={saved.get(k)!r}, not "
-                         f"{_jsonable(cfg)[k]!r}; resume with the same settings or use another --output")
+                         f"{now[k]!r}; resume with the same settings or use another --output")
     set_thresholds(model, tensors, str(path))
     return int(meta["step"])
 
@@ -346,7 +343,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                         persistent_workers=False, pin_memory=device.type == "cuda")
     log_path = out / "log.jsonl"
     if ddp.main:
-        resolved = {**_jsonable(cfg), "total_steps": steps, "train_images": len(indices),
+        resolved = {**dataclasses.asdict(cfg), "total_steps": steps, "train_images": len(indices),
                     "world_size": ddp.world, "device": str(device), "data_config": data_cfg,
                     "torch": torch.__version__}
         atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(resolved, indent=2)))
