@@ -66,3 +66,29 @@ def test_executed_gmacs_count_padding():
     assert rec.padded[1:] == [int(k) + 1 for k in rec.kept.max(0).values]
     assert executed >= float(per_image.max()) - 1e-12
     assert float(per_image.min()) < executed < ltmp.dense_gmacs(spec)
+
+
+@pytest.mark.parametrize("method,rate", [("tome", [20, 9, 5]), ("topk-prune", [30, 30, 30]), ("topk-mp", [9, 9, 9])])
+def test_schedule_counts_are_the_counts_a_fixed_rate_model_keeps(method, rate):
+    from ltmp.train import schedule_counts
+
+    model = make_model("cls")
+    ltmp.patch(model, method, **({"r": rate} if method == "tome" else {"k": rate}))
+    with torch.no_grad():
+        model(images(3))
+    kept = ltmp.stats(model).kept
+    expected = schedule_counts(method, rate, 64)
+    assert kept.tolist() == [expected] * 3, (kept.tolist(), expected)
+
+
+@pytest.mark.parametrize("method", ["tome", "topk-prune", "topk-mp"])
+def test_rate_schedule_lands_on_the_target_gmacs(method):
+    from ltmp.train import rate_schedule, schedule_counts
+
+    with torch.device("meta"):
+        model = timm.create_model("deit_small_patch16_224")
+    spec = ltmp.vit_spec(model)
+    target = 0.6 * ltmp.dense_gmacs(spec)
+    sched = rate_schedule(spec, target, method)
+    got = float(ltmp.gmacs(spec, torch.tensor([schedule_counts(method, sched, spec.num_patches)]))[0])
+    assert abs(got - target) / target < 0.01, (sched, got, target)

@@ -85,7 +85,7 @@ def cmd_eval(args) -> int:
 
     import ltmp
     from . import data as ldata
-    from .train import create_model, evaluate, pick_device, tome_schedule
+    from .train import create_model, evaluate, pick_device, rate_schedule
 
     model = create_model(args.model, args.pretrained, args.checkpoint)
     if args.thresholds:
@@ -95,12 +95,10 @@ def cmd_eval(args) -> int:
             raise CLIError(f"--method {args.method} needs learned thresholds: pass --thresholds FILE")
         r = _rates(args.r)
         if args.match_gmacs is not None or args.match is not None:
-            if args.method != "tome":
-                raise CLIError("--match-gmacs/--match pick a per-layer ToMe schedule: use them with --method tome")
             target = args.match_gmacs
             if args.match is not None:
                 target = json.loads(Path(args.match).read_text())["gmacs"]
-            r = tome_schedule(ltmp.vit_spec(model), target)
+            r = rate_schedule(ltmp.vit_spec(model), target)
         ltmp.patch(model, args.method, r=r if args.method == "tome" else None,
                    k=_rates(args.k) if args.method != "tome" else None)
     root = ldata.resolve_root(args.data_dir)
@@ -271,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--method", choices=["dense", "tome", "topk-prune", "topk-mp", "ltmp", "ltpm", "ltm", "ltp"])
     e.add_argument("--r", help="ToMe: tokens merged per layer, an int or a per-layer list 6,6,5,...")
     e.add_argument("--k", help="top-k baselines: tokens per layer, an int or a per-layer list")
-    e.add_argument("--match-gmacs", type=float, help="ToMe: pick the per-layer r schedule closest to these GMACs")
-    e.add_argument("--match", help="ToMe: match the GMACs of this eval JSON")
+    e.add_argument("--match-gmacs", type=float, help="fixed-rate methods: pick the per-layer r (or k) schedule closest to these GMACs")
+    e.add_argument("--match", help="fixed-rate methods: match the GMACs of this eval JSON")
     e.add_argument("--compare", help="eval JSON of another run on the same images: paired McNemar test")
     e.add_argument("--max-images", type=int, help="evaluate only the first N images")
     e.add_argument("--json", help="write the full result here")

@@ -25,7 +25,7 @@ from . import data as ldata
 from .bench import time_forward
 from .thresholds import atomic_write
 from .timm_patch import patch, vit_spec
-from .train import TrainConfig, create_model, evaluate, mcnemar, pick_device, tome_schedule, train
+from .train import TrainConfig, create_model, evaluate, mcnemar, pick_device, rate_schedule, train
 
 
 def assets() -> Path:
@@ -108,7 +108,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         rows.append(_timed_row(lt_model, one, ev, "ltmp", str(target)))
         results.append(ev)
         trained[target] = thr
-        sched = tome_schedule(vit_spec(model), ev["gmacs"])
+        sched = rate_schedule(vit_spec(model), ev["gmacs"])
         tm_model = patch(fresh(), "tome", r=sched)
         ev_t = evaluate(tm_model, loader, device, progress=progress, model_name=model_name)
         ev_t["paired_test"] = mcnemar(ev["correct"], ev_t["correct"])

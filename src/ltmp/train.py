@@ -12,7 +12,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 from . import data as ldata
 from .flops import budget_loss_value, dense_gmacs, gmacs, gmacs_executed
 from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
+from .reduce import METHODS
 from .timm_patch import THRESHOLD_NAMES, patch, vit_spec
 
 
@@ -454,10 +455,15 @@ def calibration_batch(model: nn.Module, dataset: ldata.ImageFolder, indices: lis
 
 @torch.no_grad()
 def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: torch.device | str = "cpu",
-              iters: int = 18, batch: int = 128) -> float:
-    """Training-free thresholds: one value for every block, bisected until eval-mode r_FLOPs (eq. 13) on
-    ``images`` match ``r_target``. Methods that merge bisect the merge threshold (prune thresholds stay as they
-    are); pruning-only methods bisect the prune threshold.
+              iters: int = 18, batch: int = 128, mode: str = "shared", prune_share: float = 0.5) -> float:
+    """Training-free thresholds, bisected until eval-mode r_FLOPs (eq. 13) on ``images`` match ``r_target``.
+
+    - ``"shared"``: one value for every block. Methods that merge bisect the merge threshold (prune thresholds
+      stay as they are); pruning-only methods bisect the prune threshold.
+    - ``"quantile"`` (not in the paper): a fraction f is bisected; every block's merge threshold becomes the
+      quantile of its similarity scores that merges f of its set-A tokens, and its prune threshold the quantile
+      of its importance scores that prunes ``prune_share * f`` of its remaining tokens (f for pruning-only
+      methods), all over the whole of ``images`` in one batch (:func:`ltmp.reduce.fit_threshold`).
 
     Returns:
         The r_FLOPs reached.
@@ -465,28 +471,44 @@ def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: t
     import ltmp
 
     model.eval()
+    cfg = model.ltmp_config
     merge = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
     prune = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
-    if merge:
-        params, lo, hi, increasing = merge, -1.0, 1.05, True  # r rises with the merge threshold
-    else:
-        heads = model.blocks[0].attn.num_heads if model.ltmp_config.importance == "cls" else 1
-        params, lo, hi, increasing = prune, 0.0, float(heads), False  # importance lies in [0, 1] (eq. 17)
 
-    def r_at(v: float) -> float:
-        for p in params:
-            p.fill_(v)
+    def r_of() -> float:
         total = 0.0
         for i in range(0, len(images), batch):
             model(images[i:i + batch].to(device))
             total += float(ltmp.r_flops(model).sum())
         return total / len(images)
 
-    r = 1.0
+    if mode == "quantile":
+        lo, hi, increasing = 0.0, 1.0, False  # r falls as f grows
+
+        def r_at(f: float) -> float:
+            cfg.fit = (f, prune_share * f if merge else f)
+            try:
+                model(images.to(device))  # sets every threshold from this batch's scores
+            finally:
+                cfg.fit = None
+            return r_of()
+    elif mode == "shared":
+        if merge:
+            params, lo, hi, increasing = merge, -1.0, 1.05, True  # r rises with the merge threshold
+        else:
+            heads = model.blocks[0].attn.num_heads if cfg.importance == "cls" else 1
+            params, lo, hi, increasing = prune, 0.0, float(heads), False  # importance lies in [0, 1] (eq. 17)
+
+        def r_at(v: float) -> float:
+            for p in params:
+                p.fill_(v)
+            return r_of()
+    else:
+        raise ValueError(f"unknown calibration mode '{mode}'; choose 'shared' or 'quantile'")
+
     for _ in range(iters):
         mid = (lo + hi) / 2
-        r = r_at(mid)
-        if (r < r_target) == increasing:
+        if (r_at(mid) < r_target) == increasing:
             lo = mid
         else:
             hi = mid
@@ -610,24 +632,36 @@ def evaluate(model: nn.Module, loader, device: torch.device | str = "cpu", amp: 
     }
 
 
-def tome_schedule(spec, target_gmacs: float) -> list[int]:
-    """A per-layer ToMe r schedule whose GMACs come closest to ``target_gmacs``.
+def schedule_counts(method: str, schedule: Sequence[int], num_patches: int, keep_one: bool = False) -> list[int]:
+    """Patch tokens left after each block under a fixed-rate method's per-layer schedule.
 
-    ToMe's token counts are deterministic (``min(r, (t - prefix) // 2)`` per layer), so GMACs follow from the
-    schedule. Schedules spread a fractional rate rho evenly over the layers (``r_l = floor(rho (l+1)) -
-    floor(rho l)``); rho is searched on a fine grid.
+    ToMe merges ``min(r, t // 2)`` (at most half the tokens are in set A); top-k pruning removes ``min(k, t)``
+    (``min(k, t - 1)`` for models that keep one patch token, see ``ReduceConfig.keep_one``); ``topk-mp`` merges,
+    then prunes, ``k`` each.
     """
-    P, n, L = spec.num_prefix, spec.num_patches, spec.depth
-    best, best_err = [0] * L, float("inf")
+    ops_ = METHODS[method][0]
+    t, counts = num_patches, []
+    for r in schedule:
+        for op in ops_:
+            t -= min(r, t // 2) if op == "merge" else min(r, t - int(keep_one))
+        counts.append(t)
+    return counts
+
+
+def rate_schedule(spec, target_gmacs: float, method: str = "tome") -> list[int]:
+    """A per-layer schedule of a fixed-rate method (``tome``, ``topk-prune``, ``topk-mp``) whose GMACs come
+    closest to ``target_gmacs``.
+
+    Their token counts are deterministic (:func:`schedule_counts`), so GMACs follow from the schedule. Schedules
+    spread a fractional rate rho evenly over the layers (``r_l = floor(rho (l+1)) - floor(rho l)``); rho is
+    searched on a fine grid.
+    """
+    n, L = spec.num_patches, spec.depth
     steps = 4000
+    scheds = []
     for i in range(steps + 1):
-        rho = (n / 2) * i / steps
-        sched = [math.floor(rho * (l + 1)) - math.floor(rho * l) for l in range(L)]
-        t, counts = n, []
-        for r in sched:
-            t -= min(r, t // 2)
-            counts.append(t)
-        g = float(gmacs(spec, torch.tensor([counts], dtype=torch.float64))[0])
-        if abs(g - target_gmacs) < best_err:
-            best, best_err = sched, abs(g - target_gmacs)
-    return best
+        rho = n * i / steps
+        scheds.append([math.floor(rho * (l + 1)) - math.floor(rho * l) for l in range(L)])
+    counts = torch.tensor([schedule_counts(method, s, n) for s in scheds], dtype=torch.float64)  # (S, L)
+    err = (gmacs(spec, counts) - target_gmacs).abs()  # (S,)
+    return scheds[int(err.argmin())]
