@@ -16,15 +16,24 @@ from ltmp.viz import layer_groups, render_groups
 from test_cli import tiny_data, tiny_model  # noqa: F401  (fixtures)
 
 
-@pytest.mark.parametrize("method,target", [("ltmp", 0.6), ("ltp", 0.8)])
-def test_calibration_hits_the_target_without_training(method, target):
+@pytest.mark.parametrize("mode", ["shared", "quantile"])
+@pytest.mark.parametrize("method,target", [("ltmp", 0.6), ("ltp", 0.8), ("ltpm", 0.6)])
+def test_calibration_hits_the_target_without_training(method, target, mode):
     model = ltmp.patch(make_model("cls", torch.float32), method)
     x = images(16, torch.float32)
-    r = calibrate(model, x, target)
+    r = calibrate(model, x, target, mode=mode)
     assert abs(r - target) < 0.03, r
     with torch.no_grad():
         model.eval()(x)
     assert abs(float(ltmp.r_flops(model).mean()) - r) < 1e-9
+    rec = ltmp.stats(model)
+    if mode == "quantile":  # per-layer thresholds; both operations take part
+        assert model.ltmp_config.fit is None
+        for name, values in ltmp.thresholds.threshold_tensors(model).items():
+            assert values.unique().numel() > 1, (name, values)
+        assert int(rec.pruned.sum()) > 0
+        if method != "ltp":
+            assert int(rec.merged.sum()) > 0
 
 
 def test_layer_groups_match_the_recorded_token_counts():

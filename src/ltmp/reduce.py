@@ -39,6 +39,8 @@ class ReduceConfig:
     keep_one: bool = False  # pruning always leaves one patch token (models that pool patch tokens)
     rate: tuple[int, ...] | None = None  # fixed-rate methods: tokens per layer (r for ToMe, k for top-k)
     trace_source: bool = False  # carry a (B, N, N0) map of which patches each token covers (for viz)
+    fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
+    #                                         prunes these fractions of the block's candidates (see fit_threshold)
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -132,6 +134,8 @@ def reduce_step(
                 score, dst = ops.best_match(metric, is_a, is_b)  # (B, N) each
                 n_b = is_b.sum(1)
             if cfg.learned:
+                if cfg.fit is not None:
+                    fit_threshold(merge_threshold, score[is_a], cfg.fit[0], largest=True)
                 merge = ops.threshold_mask(score, merge_threshold, cfg.tau) * is_a  # (B, N)
             else:
                 k = torch.minimum(is_a.sum(1), n_b).clamp(max=rate)  # (B,)
@@ -148,6 +152,8 @@ def reduce_step(
             cand = keep > 0.5  # (B, N)
             cand[:, :P] = False
             if cfg.learned:
+                if cfg.fit is not None:
+                    fit_threshold(prune_threshold, importance[cand], cfg.fit[1], largest=False)
                 pm = ops.threshold_mask(importance, prune_threshold, cfg.tau)  # (B, N) 1 = keep
                 drop = cand & (pm.detach() <= 0.5)
             else:
@@ -170,6 +176,20 @@ def reduce_step(
         # without padding (e.g. batch 1) the next block needs no mask at all
         state = dataclasses.replace(state, masked_once=bool((keep <= 0.5).any()))
     return x, dataclasses.replace(state, size=size, keep=keep, source=source), result
+
+
+@torch.no_grad()
+def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: bool) -> None:
+    """Set a threshold so that the given fraction of ``scores`` passes it: the largest scores for merging (eq. 1:
+    merge where ``score > threshold``), the smallest for pruning (prune where ``importance <= threshold``).
+
+    Training-free calibration (not in the paper): one batch's quantiles stand in for learned thresholds.
+    """
+    if fraction <= 0 or scores.numel() == 0:
+        threshold.fill_(math.inf if largest else -math.inf)
+        return
+    q = 1.0 - fraction if largest else fraction
+    threshold.fill_(torch.quantile(scores.detach().double().flatten(), min(max(q, 0.0), 1.0)).item())
 
 
 def initial_state(x: Tensor, num_prefix: int, compact: bool, trace_source: bool) -> TokenState:
