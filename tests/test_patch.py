@@ -39,6 +39,28 @@ def test_train_mode_equals_eval_mode(config, method, options):
     assert max(ev.padded[1:]) < ev.padded[0], "eval mode must really remove tokens"
 
 
+@pytest.mark.parametrize("method", ["ltmp", "ltpm"])
+def test_packed_token_wise_layers_equal_the_padded_batch(config, method, monkeypatch):
+    """Eval batches with padding run norms/qkv/proj/MLP on the real tokens only; nothing else may change."""
+    from ltmp import timm_patch
+
+    model = patched(config, method, THRESHOLDS)
+    x = images(6)
+    calls = []
+    real = timm_patch._tokenwise
+    monkeypatch.setattr(timm_patch, "_tokenwise", lambda fn, t, idx: calls.append(idx is not None) or real(fn, t, idx))
+    with torch.no_grad():
+        packed = model(x)
+        kept = ltmp.stats(model).kept
+        assert any(calls), "the batch must have padding to skip"
+        monkeypatch.setattr(timm_patch, "PACK_ABOVE", 1.0)  # never pack
+        calls.clear()
+        padded = model(x)
+        assert not any(calls)
+    assert torch.equal(ltmp.stats(model).kept, kept)
+    assert torch.allclose(packed, padded, atol=1e-12, rtol=0), (packed - padded).abs().max()
+
+
 @pytest.mark.parametrize("method,options", ALL, ids=[m for m, _ in ALL])
 def test_batch_equals_single_images(config, method, options):
     model = patched(config, method, options)

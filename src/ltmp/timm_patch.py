@@ -238,13 +238,44 @@ def _head(model, x: Tensor, state: TokenState) -> Tensor:
     return model.head(x)
 
 
+#: Eval batches run their token-wise layers (norms, qkv, proj, MLP) on the real tokens only, packed without
+#: padding, when padding makes up more than this fraction of the batch's tokens.
+PACK_ABOVE = 0.05
+
+
+def _packed_index(state: TokenState) -> Tensor | None:
+    """Flat indices of the real tokens of a padded eval batch (B * N -> T), or None when there is no padding to
+    skip. Attention still runs on the padded (B, N) layout; packing makes the token-wise layers cost the batch's
+    *mean* token count instead of its longest."""
+    if not (state.compact and state.masked_once):
+        return None
+    alive = (state.keep > 0.5).flatten()  # (B * N,)
+    idx = alive.nonzero().squeeze(1)  # (T,)
+    return idx if idx.numel() < (1 - PACK_ABOVE) * alive.numel() else None
+
+
+def _tokenwise(fn, x: Tensor, idx: Tensor | None) -> Tensor:
+    """``fn`` applied to the tokens of x (B, N, C), only at the packed indices ``idx`` if given; padding gets 0."""
+    if idx is None:
+        return fn(x)
+    B, N, _ = x.shape
+    out = fn(x.reshape(B * N, -1)[idx])  # (T, C')
+    return out.new_zeros(B * N, out.shape[-1]).index_copy_(0, idx, out).view(B, N, -1)  # (B, N, C')
+
+
 def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
     """timm ``Block.forward`` with the reduction step between attention and MLP (paper Figure 2)."""
     attn = blk.attn
-    y = blk.norm1(x)  # (B, N, C)
-    B, N, _ = y.shape
-    gate = attn.gate(y).sigmoid() if getattr(attn, "gate", None) is not None else None
-    qkv = attn.qkv(y).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
+    B, N, _ = x.shape
+    gate = None
+    if getattr(attn, "gate", None) is not None:
+        y = blk.norm1(x)  # (B, N, C)
+        gate, qkv = attn.gate(y).sigmoid(), attn.qkv(y)  # (B, N, C), (B, N, 3C)
+        idx = None
+    else:
+        idx = _packed_index(state)
+        qkv = _tokenwise(lambda t: attn.qkv(blk.norm1(t)), x, idx)  # (B, N, 3C)
+    qkv = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
     q, k, v = qkv.unbind(0)  # (B, H, N, D) each
     q, k = attn.q_norm(q), attn.k_norm(k)
     keep = state.keep if state.masked_once else None
@@ -262,15 +293,17 @@ def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
                                            dropout_p=attn.attn_drop.p if attn.training else 0.0)
     o = o.transpose(1, 2).reshape(B, N, attn.attn_dim)  # (B, N, C)
-    o = getattr(attn, "norm", nn.Identity())(o)
+    norm = getattr(attn, "norm", nn.Identity())
     if gate is not None:
-        o = o * gate
-    o = attn.proj_drop(attn.proj(o))
+        o = attn.proj_drop(attn.proj(norm(o) * gate))
+    else:
+        o = _tokenwise(lambda t: attn.proj_drop(attn.proj(norm(t))), o, idx)  # (B, N, C)
     x = x + blk.drop_path1(blk.ls1(o))  # (B, N, C)
     metric = k.mean(1) if cfg.needs_metric else None  # (B, N, D)
     x, state, step = reduce_step(x, state, cfg, layer, probs, metric, getattr(blk, "merge_threshold", None),
                                  getattr(blk, "prune_threshold", None))
-    x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))  # (B, N', C)
+    mlp = _tokenwise(lambda t: blk.ls2(blk.mlp(blk.norm2(t))), x, _packed_index(state))  # (B, N', C)
+    x = x + blk.drop_path2(mlp)
     return x, state, step
 
 
