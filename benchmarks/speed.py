@@ -1,0 +1,264 @@
+"""Do reduced models really run faster? Time ratios to dense next to GMACs ratios (issue #5).
+
+Two models:
+
+- ``deit-s``: the DeiT-S shape (224x224, 196 patches + class token), random weights. Inputs are the bundled
+  CIFAR-10 test images upsampled to 224 by DeiT's eval transform, so that images differ in how many patches look
+  alike and kept counts vary across a batch.
+- ``cifar``: the CIFAR-10 ViT of ``../shared/models/vit-cifar10`` (65 tokens) on the same images at 32x32.
+
+For each r_target (0.7 and 0.5), LTMP's thresholds are calibrated without training (``calibrate(mode="quantile")``:
+per-layer quantiles that merge a fraction f of set A and prune f/2 of the rest, f bisected to hit r_target on 64
+calibration images of the bundled train split). ToMe and top-k pruning get the per-layer schedules closest to
+LTMP's GMACs (``rate_schedule``); at batch 32 ToMe is also matched to LTMP's *executed* (padded) GMACs.
+
+Timing: ``ltmp.bench.compare_models``: warm-up, then interleaved rounds (dense, ltmp, tome, ...); medians.
+Batch 1 runs 8 different images per repetition (their kept counts differ); batch 32 runs one batch.
+
+Training: a train-mode forward + backward of the patched model against the unpatched one at the same batch, the
+backbone frozen and the input requiring grad. Memory: bytes saved for backward (``saved_tensors_hooks``), split
+into attention matrices (B, H, N, N) and the rest, and on CUDA the peak allocated memory.
+
+Usage::
+
+    python benchmarks/speed.py                      # both models, writes docs/speed.md and runs/speed.json
+    python benchmarks/speed.py --models cifar --quick
+
+Runs unchanged on CUDA (``--device cuda``, the default when one is present). Never in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import timm
+import torch
+
+import ltmp
+from ltmp import data as ldata
+from ltmp.bench import _sync, compare_models
+from ltmp.demo import BUNDLED_DATA
+from ltmp.train import calibrate, pick_device, rate_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_MODEL = ROOT.parent / "shared" / "models" / "vit-cifar10"
+
+
+def load_model(name: str) -> torch.nn.Module:
+    if name == "deit-s":
+        torch.manual_seed(0)
+        return timm.create_model("deit_small_patch16_224", pretrained=False).eval()
+    return timm.create_model(f"local-dir:{SHARED_MODEL}", pretrained=True).eval()
+
+
+def load_images(model: torch.nn.Module, split: str, n: int) -> torch.Tensor:
+    root = ldata.resolve_root(BUNDLED_DATA)
+    _, tf, _ = ldata.transforms_for(model, "none")
+    ds = ldata.ImageFolder(ldata.split_dir(root, split), tf)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randperm(len(ds), generator=g)[:n].tolist()
+    return torch.stack([ds[i][0] for i in idx])
+
+
+@torch.no_grad()
+def gmacs_of(model, spec, x: torch.Tensor) -> tuple[float, float, list[int]]:
+    """Mean GMACs over the images of x, the executed (padded) GMACs, and the kept-count spread of the last block."""
+    model(x)
+    if getattr(model, "ltmp_config", None) is None:
+        g = ltmp.dense_gmacs(spec)
+        return g, g, []
+    rec = ltmp.stats(model)
+    return float(ltmp.gmacs(spec, rec.kept.cpu()).mean()), ltmp.gmacs_executed(spec, rec.padded), \
+        rec.kept[:, -1].tolist()
+
+
+def saved_bytes(model, x: torch.Tensor) -> dict:
+    """Bytes that autograd saves for backward in one forward, split into attention-shaped tensors and the rest."""
+    B = x.shape[0]
+    seen: dict[int, tuple[int, bool]] = {}
+
+    def pack(t):
+        attn_like = t.dim() == 4 and t.shape[0] == B and t.shape[-1] == t.shape[-2] and t.shape[-1] > 16
+        seen[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), attn_like)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    del out
+    attn = sum(n for n, a in seen.values() if a)
+    return {"attention": attn, "other": sum(n for n, a in seen.values() if not a)}
+
+
+def train_step_time(models: dict, x: torch.Tensor, reps: int, rounds: int) -> dict:
+    """Median seconds of forward + backward (to the input and the thresholds), interleaved."""
+    times = {k: [] for k in models}
+    for m in models.values():
+        m.train()
+    for _ in range(rounds):
+        for name, m in models.items():
+            for i in range(reps + 1):
+                xi = x.detach().requires_grad_(True)
+                t = time.perf_counter()
+                m(xi).float().sum().backward()
+                _sync(x.device)
+                if i:  # the first of each round warms up
+                    times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def frozen(model):
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.endswith(("merge_threshold", "prune_threshold")))
+    return model
+
+
+def run_model(name: str, args, device) -> dict:
+    dense = load_model(name).to(device)
+    spec = ltmp.vit_spec(dense)
+    g_dense = ltmp.dense_gmacs(spec)
+    calib = load_images(dense, "train", 64).to(device)
+    test = load_images(dense, "test", max(args.batch_size, args.singles)).to(device)
+    singles = [test[i:i + 1] for i in range(args.singles)]
+    batch = test[:args.batch_size]
+    out = {"model": name, "gmacs_dense": g_dense, "targets": []}
+    print(f"== {name}: dense {g_dense:.4f} GMACs", flush=True)
+    for target in args.targets:
+        ltmp_m = ltmp.patch(copy.deepcopy(dense), "ltmp")
+        r = calibrate(ltmp_m, calib, target, device, mode="quantile", iters=12)
+        models = {"dense": dense, "ltmp": ltmp_m.eval()}
+        g1 = statistics.mean(gmacs_of(ltmp_m, spec, s)[0] for s in singles)
+        gb, gb_exec, spread = gmacs_of(ltmp_m, spec, batch)
+        for method in ("tome", "topk-prune"):
+            sched = rate_schedule(spec, gb, method)
+            kw = {"r": sched} if method == "tome" else {"k": sched}
+            models[method] = ltmp.patch(copy.deepcopy(dense), method, **kw).eval()
+        models["tome@exec"] = ltmp.patch(copy.deepcopy(dense), "tome", r=rate_schedule(spec, gb_exec)).eval()
+        row = {"r_target": target, "r_calibrated": r, "kept_last_block": spread, "batch": {}}
+        print(f"-- r_target {target}: calibrated r_FLOPs {r:.3f}; batch-{len(batch)} kept after the last block "
+              f"min {min(spread)} / median {statistics.median(spread)} / max {max(spread)}", flush=True)
+        for bs, x in (("1", singles), (str(len(batch)), batch)):
+            ms = models if bs != "1" else {k: v for k, v in models.items() if k != "tome@exec"}
+            t = compare_models(ms, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
+            res = {}
+            for k, m in ms.items():
+                if bs == "1":
+                    g = g1 if k == "ltmp" else statistics.mean(gmacs_of(m, spec, s)[0] for s in singles)
+                    g_exec = g
+                else:
+                    g, g_exec, _ = gmacs_of(m, spec, x)
+                res[k] = {"ms": 1000 * t[k]["median"], "iqr_ms": [1000 * t[k]["p25"], 1000 * t[k]["p75"]],
+                          "time_ratio": t[k]["median"] / t["dense"]["median"], "gmacs_ratio": g / g_dense,
+                          "gmacs_executed_ratio": g_exec / g_dense}
+                print(f"   batch {bs:>2} {k:<10} {res[k]['ms']:9.2f} ms  time {res[k]['time_ratio']:.3f}  "
+                      f"GMACs {res[k]['gmacs_ratio']:.3f} (executed {res[k]['gmacs_executed_ratio']:.3f})",
+                      flush=True)
+            row["batch"][bs] = res
+        out["targets"].append(row)
+    # training cost and memory, with the thresholds of the last target
+    plain = frozen(copy.deepcopy(dense))
+    patched = frozen(ltmp.patch(copy.deepcopy(dense), "ltmp"))
+    ltmp.load_thresholds(patched, _tmp_thresholds(ltmp_m, args))
+    xt = batch[:args.train_batch]
+    tt = train_step_time({"timm": plain, "ltmp-train": patched}, xt, reps=args.train_reps, rounds=args.rounds)
+    mem = {}
+    for k, m in (("timm", plain), ("ltmp-train", patched)):
+        m.train()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        mem[k] = saved_bytes(m, xt.detach().requires_grad_(True))
+        if device.type == "cuda":
+            mem[k]["cuda_peak_forward"] = torch.cuda.max_memory_allocated(device) - base
+    n_tok = spec.num_patches + spec.num_prefix
+    btc = xt.shape[0] * n_tok * spec.embed_dim * xt.element_size() * spec.depth
+    out["train"] = {"batch": xt.shape[0], "timm_ms": 1000 * tt["timm"], "ltmp_ms": 1000 * tt["ltmp-train"],
+                    "ratio": tt["ltmp-train"] / tt["timm"], "saved_bytes": mem, "btc_bytes_all_blocks": btc}
+    print(f"   train fwd+bwd batch {xt.shape[0]}: timm {1000 * tt['timm']:.1f} ms, ltmp {1000 * tt['ltmp-train']:.1f} "
+          f"ms, ratio {out['train']['ratio']:.3f}; saved for backward (MiB): timm "
+          f"{mem['timm']['attention'] / 2**20:.1f} attention + {mem['timm']['other'] / 2**20:.1f} other, ltmp "
+          f"{mem['ltmp-train']['attention'] / 2**20:.1f} + {mem['ltmp-train']['other'] / 2**20:.1f} "
+          f"(B*T*C*L = {btc / 2**20:.1f})", flush=True)
+    return out
+
+
+def _tmp_thresholds(model, args) -> str:
+    path = Path(args.json).with_suffix(".thresholds.safetensors")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ltmp.save_thresholds(model, path)
+    return str(path)
+
+
+def markdown(result: dict) -> str:
+    env = result["env"]
+    lines = [f"Measured on: {env['device_name']}, {env['threads']} threads, torch {env['torch']}, timm "
+             f"{env['timm']}. Produced by `{result['command']}`.", ""]
+    for m in result["models"]:
+        lines += [f"### {m['model']} (dense {m['gmacs_dense']:.4f} GMACs)", "",
+                  "| r_target | method | batch | ms | time ratio | GMACs ratio | executed GMACs ratio |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in m["targets"]:
+            for bs, res in row["batch"].items():
+                for k, v in res.items():
+                    if k == "dense":
+                        continue
+                    lines.append(f"| {row['r_target']} | {k} | {bs} | {v['ms']:.2f} | {v['time_ratio']:.3f} | "
+                                 f"{v['gmacs_ratio']:.3f} | {v['gmacs_executed_ratio']:.3f} |")
+            lines.append(f"| {row['r_target']} | dense | 1 / {list(row['batch'])[-1]} | "
+                         f"{row['batch']['1']['dense']['ms']:.2f} / {list(row['batch'].values())[-1]['dense']['ms']:.2f}"
+                         f" | 1 | 1 | 1 |")
+        t = m["train"]
+        mem = t["saved_bytes"]
+        lines += ["", f"Train-mode forward + backward at batch {t['batch']} (backbone frozen, input requires grad): "
+                      f"timm {t['timm_ms']:.1f} ms, patched LTMP {t['ltmp_ms']:.1f} ms, ratio **{t['ratio']:.3f}**. "
+                      f"Saved for backward: timm {mem['timm']['attention'] / 2**20:.1f} MiB attention matrices + "
+                      f"{mem['timm']['other'] / 2**20:.1f} MiB other; LTMP "
+                      f"{mem['ltmp-train']['attention'] / 2**20:.1f} + {mem['ltmp-train']['other'] / 2**20:.1f} MiB "
+                      f"(B x T x C x L at this batch: {t['btc_bytes_all_blocks'] / 2**20:.1f} MiB).", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="deit-s,cifar")
+    p.add_argument("--targets", default="0.7,0.5")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--singles", type=int, default=8, help="images timed one by one at batch 1")
+    p.add_argument("--train-batch", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--train-reps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    p.add_argument("--json", default=str(ROOT / "runs" / "speed.json"))
+    p.add_argument("--out", help="write the markdown tables here (e.g. docs/speed.md)")
+    args = p.parse_args()
+    args.targets = [float(t) for t in args.targets.split(",")]
+    if args.quick:
+        args.reps, args.rounds, args.train_reps, args.warmup = 1, 1, 1, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{platform.machine()} CPU ({torch.get_num_threads()} threads)"
+    result = {"command": "python benchmarks/speed.py " + " ".join(sys.argv[1:]),
+              "env": {"device": str(device), "device_name": name, "threads": torch.get_num_threads(),
+                      "torch": torch.__version__, "timm": timm.__version__},
+              "models": [run_model(m, args, device) for m in args.models.split(",")]}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(markdown(result) + "\n")
+    print(f"wrote {args.json}" + (f" and {args.out}" if args.out else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
