@@ -115,7 +115,7 @@ def plot_layers(rows: list[tuple[str, np.ndarray, list[np.ndarray]]], path: str 
 
 
 def plot_pareto(results: list[dict], path: str | os.PathLike, title: str = "") -> None:
-    """Accuracy against GMACs (log scale), one line per method, from eval result dicts (Figure 4)."""
+    """Accuracy against GMACs, one line per method, from eval result dicts (Figure 4)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,12 +130,6 @@ def plot_pareto(results: list[dict], path: str | os.PathLike, title: str = "") -
         rs = sorted(rs, key=lambda r: r["gmacs"])
         ax.plot([r["gmacs"] for r in rs], [r["top1"] for r in rs], marker=markers.get(method, "^"),
                 label=method, ms=9 if method == "dense" else 5)
-    ax.set_xscale("log")
-    from matplotlib.ticker import FormatStrFormatter
-
-    ax.xaxis.set_major_formatter(FormatStrFormatter("%.3g"))
-    ax.xaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
-    ax.tick_params(axis="x", which="both", labelsize=7)
     ax.set_xlabel("GMACs per image")
     ax.set_ylabel("top-1 accuracy (%)")
     ax.grid(alpha=0.3, which="both")
