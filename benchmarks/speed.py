@@ -165,7 +165,7 @@ def run_model(name: str, args, device) -> dict:
     patched = frozen(ltmp.patch(copy.deepcopy(dense), "ltmp"))
     ltmp.load_thresholds(patched, _tmp_thresholds(ltmp_m, args))
     xt = batch[:args.train_batch]
-    tt = train_step_time({"timm": plain, "ltmp-train": patched}, xt, reps=args.train_reps, rounds=args.rounds)
+    tt = train_step_time({"timm": plain, "ltmp-train": patched}, xt, reps=args.train_reps, rounds=args.train_rounds)
     mem = {}
     for k, m in (("timm", plain), ("ltmp-train", patched)):
         m.train()
@@ -231,9 +231,10 @@ def main() -> int:
     p.add_argument("--singles", type=int, default=8, help="images timed one by one at batch 1")
     p.add_argument("--train-batch", type=int, default=32)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--train-reps", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=1, help="timed repetitions per model per round")
+    p.add_argument("--train-reps", type=int, default=2)
+    p.add_argument("--train-rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (dense, ltmp, tome, ...)")
     p.add_argument("--threads", type=int)
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
@@ -242,7 +243,7 @@ def main() -> int:
     args = p.parse_args()
     args.targets = [float(t) for t in args.targets.split(",")]
     if args.quick:
-        args.reps, args.rounds, args.train_reps, args.warmup = 1, 1, 1, 1
+        args.reps, args.rounds, args.train_reps, args.train_rounds, args.warmup = 1, 1, 1, 1, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)

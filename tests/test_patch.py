@@ -161,12 +161,13 @@ def test_per_layer_rates():
         ltmp.patch(model, "tome", r=[1, 2])
 
 
-@pytest.mark.parametrize("method", ["ltmp", "ltp", "topk-prune"])
-def test_prefix_tokens_survive_extreme_pruning(config, method):
+@pytest.mark.parametrize("n", [1, 3], ids=["single", "batch"])
+@pytest.mark.parametrize("method", ["ltmp", "ltpm", "ltp", "topk-prune"])
+def test_prefix_tokens_survive_extreme_pruning(config, method, n):
     options = dict(k=100) if method == "topk-prune" else dict(merge_threshold=-2.0, prune_threshold=10.0)
     model = patched(config, method, options, trace_source=True)
     with torch.no_grad():
-        out = model(images(3))
+        out = model(images(n))
     rec = ltmp.stats(model)
     assert torch.isfinite(out).all()
     prefix = model.num_prefix_tokens
@@ -175,10 +176,11 @@ def test_prefix_tokens_survive_extreme_pruning(config, method):
     assert rec.kept[:, -1].eq(expected_min).all(), rec.kept
 
 
-def test_merge_sizes_add_up_and_sources_partition_patches(config):
+@pytest.mark.parametrize("n", [1, 3], ids=["single", "batch"])
+def test_merge_sizes_add_up_and_sources_partition_patches(config, n):
     model = patched(config, "ltmp", THRESHOLDS, trace_source=True)
     with torch.no_grad():
-        model(images(3))
+        model(images(n))
     rec = ltmp.stats(model)
     for layer, (src, keep) in enumerate(zip(rec.sources, rec.keeps)):
         covered = (src * keep[..., None]).sum(1)  # (B, n) how often each patch is still covered

@@ -102,9 +102,9 @@ def importance_scores(probs: Tensor, keep: Tensor | None, kind: str) -> Tensor:
     """
     if kind == "cls":
         return probs[:, :, 0, :].sum(dim=1)  # (B, N)
-    col = probs.mean(dim=1)  # (B, N, N)
     if keep is None:
-        return col.mean(dim=1)  # (B, N)
+        return probs.mean(dim=(1, 2))  # (B, N)
+    col = probs.mean(dim=1)  # (B, N, N)
     rows = (keep > 0.5).to(col.dtype)  # (B, N)
     return (rows[:, :, None] * col).sum(dim=1) / rows.sum(dim=1, keepdim=True)  # (B, N)
 

@@ -78,10 +78,10 @@ class TokenState:
 class StepResult:
     """Per-image counts of one block's reduction."""
 
-    merged: Tensor  # (B,) tokens merged away in this block
-    pruned: Tensor  # (B,) tokens pruned in this block
-    kept: Tensor  # (B,) patch tokens surviving this block (hard count)
-    kept_frac: Tensor  # (B,) surviving patch tokens, differentiable in train mode (m-bar of eq. 13, times n)
+    merged: Tensor | int  # (B,) tokens merged away in this block (an int for a single image in eval mode)
+    pruned: Tensor | int  # (B,) tokens pruned in this block
+    kept: Tensor | int  # (B,) patch tokens surviving this block (hard count)
+    kept_frac: Tensor | int  # (B,) surviving patch tokens, differentiable in train mode (m-bar of eq. 13, times n)
 
 
 def layer_rate(rate: Sequence[int] | None, layer: int) -> int:
@@ -93,7 +93,7 @@ def reduce_step(
         state: TokenState,
         cfg: ReduceConfig,
         layer: int,
-        probs: Tensor | None,
+        importance: Tensor | None,
         metric: Tensor | None,
         merge_threshold: Tensor | None,
         prune_threshold: Tensor | None,
@@ -110,7 +110,8 @@ def reduce_step(
         state: The token state (sizes, keep mask).
         cfg: The reduction config.
         layer: Block index (for per-layer fixed rates).
-        probs: (B, H, N, N) attention probabilities, if the method prunes.
+        importance: (B, N) importance scores (:func:`ltmp.ops.importance_scores` of this block's attention), if
+            the method prunes.
         metric: (B, N, D) keys averaged over heads, if the method merges.
         merge_threshold, prune_threshold: Learned thresholds (scalars), for the threshold methods.
 
@@ -118,10 +119,10 @@ def reduce_step(
         The new x, the new state, and the step's counts.
     """
     B, N, _ = x.shape
+    if B == 1 and state.compact and not state.masked_once and cfg.fit is None and not torch.is_grad_enabled():
+        return _reduce_single(x, state, cfg, layer, importance, metric, merge_threshold, prune_threshold)
     P = cfg.num_prefix
     keep, size, source = state.keep, state.size, state.source
-    importance = ops.importance_scores(probs, keep if state.masked_once else None, cfg.importance) \
-        if cfg.needs_importance else None  # (B, N)
     merged = pruned = x.new_zeros(B, dtype=torch.long)
     rate = layer_rate(cfg.rate, layer)
     for op in cfg.ops:
@@ -176,6 +177,102 @@ def reduce_step(
         # without padding (e.g. batch 1) the next block needs no mask at all
         state = dataclasses.replace(state, masked_once=bool((keep <= 0.5).any()))
     return x, dataclasses.replace(state, size=size, keep=keep, source=source), result
+
+
+def _reduce_single(
+        x: Tensor,
+        state: TokenState,
+        cfg: ReduceConfig,
+        layer: int,
+        importance: Tensor | None,
+        metric: Tensor | None,
+        merge_threshold: Tensor | None,
+        prune_threshold: Tensor | None,
+) -> tuple[Tensor, TokenState, StepResult]:
+    """:func:`reduce_step` for one image in eval mode, with index lists instead of (B, N) masks.
+
+    The same decisions (the tests compare it with batched and train-mode runs): with every token alive and
+    stored in order, set A is the even positions and set B the odd ones past the prefix (ToMe's split), merges
+    are size-weighted averages into B tokens, a merged token's importance is its group's max, and survivors are
+    gathered once at the end. At batch 1 the cost of a reduction step is its number of operator calls, not its
+    arithmetic, so this path makes about 30 calls where the general one makes about 100, and one host
+    synchronisation (the survivor count) per operation.
+    """
+    N, P = x.shape[1], cfg.num_prefix
+    size, source = state.size, state.source
+    rate = layer_rate(cfg.rate, layer)
+    importance = importance[0] if importance is not None else None  # (N,)
+    alive = None  # (N,) bool once something is removed
+    n_merged, merged_once = 0, state.merged_once
+    for op in cfg.ops:
+        if op == "merge":
+            if alive is not None:  # ltpm: pruned tokens leave first, so that A/B alternate over the survivors
+                idx = alive.nonzero().squeeze(1)  # (N',)
+                x, size, metric, importance = x[:, idx], size[:, idx], metric[:, idx], importance[idx]
+                source = None if source is None else source[:, idx]
+                alive, N = None, idx.shape[0]
+            a0 = (P + 1) // 2  # first set-A row past the prefix (A: even positions, B: odd positions)
+            if (N - 2 * a0 + 1) // 2 < 1 or N // 2 - P // 2 < 1 or (not cfg.learned and rate == 0):
+                continue
+            m = metric[0] / metric[0].norm(dim=-1, keepdim=True)  # (N, D)
+            sim = m[2 * a0::2] @ m[1::2].T  # (Na, Nb)
+            if P > 1:
+                sim[:, :P // 2] = float("-inf")  # B columns inside the prefix
+            best, j = sim.max(dim=-1)  # (Na,), (Na,)
+            if cfg.learned:
+                sel = (best > merge_threshold).nonzero().squeeze(1)  # (M,) merged A rows
+            else:
+                sel = best.sort(descending=True, stable=True).indices[:min(rate, sim.shape[1] - P // 2)]  # (M,)
+            if sel.shape[0] == 0:
+                continue
+            src, dst = 2 * sel + 2 * a0, 2 * j[sel] + 1  # (M,) positions merged away, and their destinations
+            x, size, source = _merge_single(x, size, source, src, dst)
+            if importance is not None:
+                importance = importance.scatter_reduce(0, dst, importance[src], "amax")
+            alive = torch.ones(N, dtype=torch.bool, device=x.device).index_fill_(0, src, False)
+            n_merged, merged_once = src.shape[0], True
+        else:
+            if cfg.learned:
+                drop = importance <= prune_threshold  # (N,) not kept by eq. 1
+            else:
+                cand = importance.detach().to(torch.promote_types(importance.dtype, torch.float32)).clone()
+                cand[:P] = float("inf")
+                if alive is not None:
+                    cand[~alive] = float("inf")
+                drop = torch.zeros(N, dtype=torch.bool, device=x.device)
+                drop[cand.sort(stable=True).indices[:rate]] = True
+            drop[:P] = False
+            cand_alive = alive if alive is not None else torch.ones(N, dtype=torch.bool, device=x.device)
+            kept = cand_alive & ~drop  # (N,)
+            if cfg.keep_one and not bool(kept[P:].any()) and bool(cand_alive[P:].any()):
+                spare = importance.float().masked_fill(~cand_alive, float("-inf"))
+                spare[:P] = float("-inf")
+                kept[spare.argmax()] = True
+            alive = kept
+    if alive is not None:
+        idx = alive.nonzero().squeeze(1)  # (N',)
+        if idx.shape[0] < N:
+            x, size = x[:, idx], size[:, idx]
+            source = None if source is None else source[:, idx]
+    n_kept = x.shape[1] - P
+    n_pruned = N - P - n_merged - n_kept
+    result = StepResult(merged=n_merged, pruned=n_pruned, kept=n_kept, kept_frac=n_kept)
+    return x, TokenState(size=size, keep=state.keep[:, :x.shape[1]], compact=True, source=source,
+                         merged_once=merged_once), result
+
+
+def _merge_single(x: Tensor, size: Tensor, source: Tensor | None, src: Tensor, dst: Tensor):
+    """:func:`ltmp.ops.merge_tokens` for one image given as index lists: ``src[i]`` merges into ``dst[i]``."""
+    dt = torch.promote_types(x.dtype, size.dtype)
+    s = size[0]  # (N,)
+    xw = (x[0] if x.dtype == dt else x[0].to(dt)) * s[:, None]  # (N, C) size-weighted tokens
+    num = xw.index_add(0, dst, xw[src])  # (N, C)
+    den = s.index_add(0, dst, s[src])  # (N,)
+    merged = num[dst] / den[dst, None]  # (M, C); tokens that receive nothing stay bit-identical
+    x = x[0].index_put((dst,), merged if merged.dtype == x.dtype else merged.to(x.dtype))[None]  # (1, N, C)
+    if source is not None:
+        source = source[0].index_add(0, dst, source[0, src])[None]
+    return x, den[None], source
 
 
 @torch.no_grad()

@@ -215,13 +215,20 @@ def _features(model, x: Tensor) -> tuple[Tensor, TokenState]:
             sources.append(state.source[:, :, cfg.num_prefix:])
             keeps.append(state.keep > 0.5)
     x = model.norm(x)
-    ones = x.new_ones(x.shape[0], dtype=state.keep.dtype)
+    if isinstance(steps[0].kept, int):  # single-image eval: counts are Python ints, one tensor per field
+        counts = torch.tensor([[s.merged, s.pruned, s.kept] for s in steps], device=x.device).T[:, None]  # (3, 1, L)
+        merged, pruned, kept = counts.unbind(0)
+        keep_frac = torch.cat([kept.new_full((1, 1), n), kept], 1).to(state.size.dtype) / n  # (1, L + 1)
+    else:
+        merged, pruned, kept = (torch.stack([getattr(s, f) for s in steps], 1) for f in ("merged", "pruned", "kept"))
+        ones = x.new_ones(x.shape[0], dtype=state.keep.dtype)
+        keep_frac = torch.stack([ones] + [s.kept_frac / n for s in steps], 1)
     model.ltmp_record = Record(
         method=cfg.method,
-        merged=torch.stack([s.merged for s in steps], 1),
-        pruned=torch.stack([s.pruned for s in steps], 1),
-        kept=torch.stack([s.kept for s in steps], 1),
-        keep_frac=torch.stack([ones] + [s.kept_frac / n for s in steps], 1),
+        merged=merged,
+        pruned=pruned,
+        kept=kept,
+        keep_frac=keep_frac,
         padded=padded, num_patches=n, num_prefix=cfg.num_prefix, sources=sources, keeps=keeps)
     return x, state
 
@@ -263,6 +270,10 @@ def _tokenwise(fn, x: Tensor, idx: Tensor | None) -> Tensor:
     return out.new_zeros(B * N, out.shape[-1]).index_copy_(0, idx, out).view(B, N, -1)  # (B, N, C')
 
 
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
 def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
     """timm ``Block.forward`` with the reduction step between attention and MLP (paper Figure 2)."""
     attn = blk.attn
@@ -280,9 +291,12 @@ def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
     q, k = attn.q_norm(q), attn.k_norm(k)
     keep = state.keep if state.masked_once else None
     ls = log_size(state)
-    probs = None
+    importance = None
     if cfg.needs_importance or not attn.fused_attn or (keep is not None and keep.requires_grad):
         o, probs = ops.masked_attention(q, k, v, attn.scale, keep, ls, attn.attn_drop)  # (B, H, N, D)
+        if cfg.needs_importance:  # while the (B, H, N, N) probabilities are still in cache
+            importance = ops.importance_scores(probs, keep, cfg.importance)  # (B, N)
+        del probs
     else:  # hard masks only: a fused kernel with an additive bias does the same
         bias = None
         if keep is not None or ls is not None:
@@ -293,14 +307,14 @@ def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
                                            dropout_p=attn.attn_drop.p if attn.training else 0.0)
     o = o.transpose(1, 2).reshape(B, N, attn.attn_dim)  # (B, N, C)
-    norm = getattr(attn, "norm", nn.Identity())
+    norm = getattr(attn, "norm", None) or _identity
     if gate is not None:
         o = attn.proj_drop(attn.proj(norm(o) * gate))
     else:
         o = _tokenwise(lambda t: attn.proj_drop(attn.proj(norm(t))), o, idx)  # (B, N, C)
     x = x + blk.drop_path1(blk.ls1(o))  # (B, N, C)
     metric = k.mean(1) if cfg.needs_metric else None  # (B, N, D)
-    x, state, step = reduce_step(x, state, cfg, layer, probs, metric, getattr(blk, "merge_threshold", None),
+    x, state, step = reduce_step(x, state, cfg, layer, importance, metric, getattr(blk, "merge_threshold", None),
                                  getattr(blk, "prune_threshold", None))
     mlp = _tokenwise(lambda t: blk.ls2(blk.mlp(blk.norm2(t))), x, _packed_index(state))  # (B, N', C)
     x = x + blk.drop_path2(mlp)
