@@ -22,8 +22,10 @@ def _rates(text: str | None):
     return vals[0] if len(vals) == 1 else vals
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="timm model name (deit_small_patch16_224) or local-dir:PATH")
+def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", required=required,
+                   help="timm model name (deit_small_patch16_224) or local-dir:PATH"
+                        + ("" if required else " (default: the bundled CIFAR-10 ViT, pretrained)"))
     p.add_argument("--pretrained", action="store_true", help="load timm's pretrained (or the local-dir) weights")
     p.add_argument("--checkpoint", help="weights file: timm, torch or safetensors state dict")
 
@@ -201,6 +203,128 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _add_reduction_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--thresholds", help="thresholds.safetensors from ltmp train")
+    p.add_argument("--method", choices=["tome", "topk-prune", "topk-mp"], help="a fixed-rate method instead")
+    p.add_argument("--r", help="ToMe: tokens merged per layer (int or per-layer list)")
+    p.add_argument("--k", help="top-k baselines: tokens per layer (int or per-layer list)")
+
+
+def _load_model(args):
+    """The model of --model/--pretrained/--checkpoint, or the bundled CIFAR-10 ViT when --model is not given."""
+    from .demo import BUNDLED_MODEL
+    from .train import create_model
+
+    if args.model is None:
+        return create_model(BUNDLED_MODEL, True, args.checkpoint), "bundled vit-cifar10"
+    return create_model(args.model, args.pretrained, args.checkpoint), args.model
+
+
+def _read_images(path: str, transform, limit: int):
+    """Transformed images of a file or a folder (sorted, at most ``limit``), with their names."""
+    from PIL import Image
+
+    from .data import IMG_EXTENSIONS
+
+    p = Path(path)
+    if not p.exists():
+        raise CLIError(f"no such image or folder: {path}; pass an image file or a folder of images")
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix.lower() in IMG_EXTENSIONS)[:limit]
+    if not files:
+        raise CLIError(f"no images ({', '.join(IMG_EXTENSIONS[:3])}, ...) in {path}")
+    out = []
+    for f in files:
+        try:
+            with Image.open(f) as im:
+                out.append((f.name, transform(im.convert("RGB"))))
+        except Exception as e:  # PIL raises many types for bad files
+            raise CLIError(f"cannot read image {f} ({type(e).__name__}); pass a JPEG/PNG image") from None
+    return out
+
+
+def cmd_viz(args) -> int:
+    import timm.data
+
+    from . import data as ldata
+    from .viz import denormalize, layer_groups, plot_layers
+
+    model, name = _load_model(args)
+    _, tf, _ = ldata.transforms_for(model, "none")
+    images = _read_images(args.image, tf, args.max_images)
+    model = _reduced_model(args, model)
+    model.ltmp_config.trace_source = True
+    cfg = timm.data.resolve_data_config(model=model)
+    rows = [(label, denormalize(x, cfg["mean"], cfg["std"]), layer_groups(model, x)) for label, x in images]
+    what = Path(args.thresholds).name if args.thresholds else f"{args.method} {args.r or args.k}"
+    plot_layers(rows, args.output, title=f"{name}, {model.ltmp_config.method} ({what}): each merged group in its "
+                                         f"mean colour, pruned patches dark grey")
+    print(f"wrote {args.output} ({len(rows)} images x {len(rows[0][2])} layers)")
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    import copy
+
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+
+    import ltmp
+    from . import data as ldata
+    from .analysis import kendall_tau, layer_counts, plot_kendall, plot_layer_boxes
+    from .demo import BUNDLED_DATA
+    from .thresholds import atomic_write
+    from .train import pick_device
+
+    dense, name = _load_model(args)
+    device = pick_device(args.device)
+    root = ldata.resolve_root(args.data_dir or BUNDLED_DATA)
+    _, tf, _ = ldata.transforms_for(dense, "none")
+    dataset = ldata.ImageFolder(ldata.split_dir(root, args.val_split), tf)
+    dataset = torch.utils.data.Subset(dataset, range(min(args.max_images, len(dataset))))
+    loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers, collate_fn=ldata.collate_skip)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if args.thresholds or args.method:
+        model = _reduced_model(args, copy.deepcopy(dense))
+        counts = layer_counts(model, loader, device, args.max_images)
+        method = model.ltmp_config.method
+        summary = {"model": name, "method": method, "thresholds": args.thresholds, "images": len(counts["kept"]),
+                   **{k: {"mean": v.mean(0).tolist(), "q25": np.percentile(v, 25, 0).tolist(),
+                          "median": np.median(v, 0).tolist(), "q75": np.percentile(v, 75, 0).tolist()}
+                      for k, v in counts.items()}}
+        plot_layer_boxes(counts, out / "layers.png",
+                         title=f"{name}, {method}: tokens removed per layer over {summary['images']} images")
+        atomic_write(out / "layers.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
+        written += ["layers.png", "layers.json"]
+    k = args.kendall_k
+    model = ltmp.patch(copy.deepcopy(dense), "topk-mp", k=k)
+    tau = {"model": name, "method": f"topk-mp k={k}", **kendall_tau(model, loader, device, args.max_images)}
+    plot_kendall(tau, out / "kendall.png", title=f"{name}: Kendall tau of set-A tokens, {k} merged + {k} pruned "
+                                                f"per layer, {tau['images']} images")
+    atomic_write(out / "kendall.json", lambda tmp: Path(tmp).write_text(json.dumps(tau, indent=2)))
+    written += ["kendall.png", "kendall.json"]
+    print("Kendall tau per layer: " + " ".join("-" if t is None else f"{t:.2f}" for t in tau["mean"]))
+    print(f"wrote {out}/: {', '.join(written)}")
+    return 0
+
+
+def cmd_pareto(args) -> int:
+    from .viz import plot_pareto
+
+    results = []
+    for f in args.evals:
+        try:
+            r = json.loads(Path(f).read_text())
+            results.append({"method": r["method"], "gmacs": float(r["gmacs"]), "top1": float(r["top1"])})
+        except (OSError, ValueError, KeyError, TypeError):
+            raise CLIError(f"{f} is not an eval JSON (write one with ltmp eval --json FILE)") from None
+    plot_pareto(results, args.output, title=args.title)
+    print(f"wrote {args.output} ({len(results)} runs)")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import DemoConfig, run_demo
 
@@ -278,10 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="latency at batch 1 and throughput at batch N against the dense model")
     _add_model_args(b)
-    b.add_argument("--thresholds", help="thresholds.safetensors from ltmp train")
-    b.add_argument("--method", choices=["tome", "topk-prune", "topk-mp"])
-    b.add_argument("--r", help="ToMe: tokens merged per layer (int or per-layer list)")
-    b.add_argument("--k", help="top-k baselines: tokens per layer (int or per-layer list)")
+    _add_reduction_args(b)
     b.add_argument("--batch-size", type=int, default=32, help="throughput batch (batch 1 is always timed)")
     b.add_argument("--data-dir", help="time on the first images of this eval split (default: random input)")
     b.add_argument("--val-split", default="val")
@@ -292,6 +413,33 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="auto")
     b.add_argument("--json", help="write the result here")
     b.set_defaults(func=cmd_bench)
+
+    v = sub.add_parser("viz", help="per-layer picture of merged groups and pruned patches (Figures 1 and 7)")
+    _add_model_args(v, required=False)
+    _add_reduction_args(v)
+    v.add_argument("--image", required=True, help="an image file, or a folder of images")
+    v.add_argument("--max-images", type=int, default=8, help="images from a folder (sorted by path)")
+    v.add_argument("--output", default="ltmp-viz.png", help="PNG file to write")
+    v.set_defaults(func=cmd_viz)
+
+    a = sub.add_parser("analyze", help="tokens merged/pruned per layer (Figures 5-6) and Kendall tau (Table 1)")
+    _add_model_args(a, required=False)
+    _add_reduction_args(a)
+    a.add_argument("--data-dir", help="ImageFolder root or .tar.gz (default: the bundled CIFAR-10 subset)")
+    a.add_argument("--val-split", default="test")
+    a.add_argument("--max-images", type=int, default=1000)
+    a.add_argument("--batch-size", type=int, default=64)
+    a.add_argument("--workers", type=int, default=2)
+    a.add_argument("--kendall-k", type=int, default=8, help="tokens merged and pruned per layer for Kendall tau")
+    a.add_argument("--device", default="auto")
+    a.add_argument("--output", default="ltmp-analysis", help="folder for the PNG and JSON files")
+    a.set_defaults(func=cmd_analyze)
+
+    pp = sub.add_parser("pareto", help="plot accuracy against GMACs from ltmp eval --json files (Figure 4)")
+    pp.add_argument("evals", nargs="+", help="eval JSON files")
+    pp.add_argument("--output", default="pareto.png")
+    pp.add_argument("--title", default="")
+    pp.set_defaults(func=cmd_pareto)
 
     d = sub.add_parser("demo", help="the whole method in minutes on the bundled CIFAR-10 ViT and images (default)")
     d.add_argument("--output", default="ltmp-demo", help="folder for the table, plots and trained thresholds")

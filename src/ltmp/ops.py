@@ -52,8 +52,8 @@ def masked_attention(
 
     ``S_ij = exp(A_ij) m_j / sum_k exp(A_ik) m_k`` (eq. 6) with ``A = QK^T / sqrt(d) + log(size)`` (eq. 7 plus
     ToMe's proportional attention). The result equals attention computed with the masked keys removed: no eps
-    leaks probability to removed tokens. The mask multiplies, so gradients reach it (a ``-inf`` fill would pass
-    none). For finite results in fp16/bf16 the softmax runs in fp32 with the row max taken over *kept* keys only;
+    leaks probability to removed tokens. When the mask needs a gradient it multiplies, so gradients reach it (a
+    ``-inf`` fill would pass none); otherwise (eval) it is the equivalent ``-inf`` fill, a single softmax. For finite results in fp16/bf16 the softmax runs in fp32 with the row max taken over *kept* keys only;
     masked keys' exponents are clamped at that max (their forward weight is zero anyway, this only bounds the
     surrogate gradient they pass to their mask).
 
@@ -69,9 +69,13 @@ def masked_attention(
     """
     attn = (q * scale) @ k.transpose(-2, -1)  # (B, H, N, N)
     attn = attn.to(torch.promote_types(attn.dtype, torch.float32))  # fp16/bf16 -> fp32, float64 stays
+    hard = keep is None or not (torch.is_grad_enabled() and keep.requires_grad)
     if log_size is not None:
-        attn = attn + log_size[:, None, None, :].to(attn.dtype)  # (B, H, N, N)
-    if keep is None:
+        bias = log_size[:, None, None, :].to(attn.dtype)  # (B, 1, 1, N)
+        attn = attn.add_(bias) if hard and not attn.requires_grad else attn + bias  # (B, H, N, N)
+    if hard:  # no gradient to the mask: an additive -inf mask and one softmax (few passes over B x H x N x N)
+        if keep is not None:
+            attn = attn.masked_fill((keep <= 0.5)[:, None, None, :], float("-inf"))
         probs = attn.softmax(dim=-1)  # (B, H, N, N)
     else:
         kept = (keep > 0.5)[:, None, None, :]  # (B, 1, 1, N)

@@ -39,6 +39,7 @@ class ReduceConfig:
     keep_one: bool = False  # pruning always leaves one patch token (models that pool patch tokens)
     rate: tuple[int, ...] | None = None  # fixed-rate methods: tokens per layer (r for ToMe, k for top-k)
     trace_source: bool = False  # carry a (B, N, N0) map of which patches each token covers (for viz)
+    capture: list | None = None  # analysis: each block appends (layer, importance, similarity score, set-A mask)
     fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
     #                                         prunes these fractions of the block's candidates (see fit_threshold)
 
@@ -119,7 +120,8 @@ def reduce_step(
         The new x, the new state, and the step's counts.
     """
     B, N, _ = x.shape
-    if B == 1 and state.compact and not state.masked_once and cfg.fit is None and not torch.is_grad_enabled():
+    if B == 1 and state.compact and not state.masked_once and cfg.fit is None and cfg.capture is None \
+            and not torch.is_grad_enabled():
         return _reduce_single(x, state, cfg, layer, importance, metric, merge_threshold, prune_threshold)
     P = cfg.num_prefix
     keep, size, source = state.keep, state.size, state.source
@@ -134,6 +136,8 @@ def reduce_step(
                 is_a, is_b = ops.bipartite_sets(keep, P)  # (B, N) each
                 score, dst = ops.best_match(metric, is_a, is_b)  # (B, N) each
                 n_b = is_b.sum(1)
+            if cfg.capture is not None and importance is not None:
+                cfg.capture.append((layer, importance.detach().cpu(), score.detach().cpu(), is_a.cpu()))
             if cfg.learned:
                 if cfg.fit is not None:
                     fit_threshold(merge_threshold, score[is_a], cfg.fit[0], largest=True)
