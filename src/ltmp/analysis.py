@@ -120,14 +120,14 @@ def plot_kendall(result: dict, path: str | os.PathLike, title: str = "") -> None
     import matplotlib.pyplot as plt
 
     depth = len(result["mean"])
-    fig, ax = plt.subplots(figsize=(4.6, 3.0))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * depth + 1.5), 3.2))
     nan = float("nan")
     ax.errorbar(np.arange(1, depth + 1), [nan if v is None else v for v in result["mean"]],
                 yerr=[nan if v is None else v for v in result["std"]], marker="o", capsize=3)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("layer")
-    ax.set_ylabel("Kendall tau (importance vs similarity)")
+    ax.set_ylabel("Kendall tau")
     ax.set_xticks(np.arange(1, depth + 1))
     ax.grid(alpha=0.3)
-    ax.set_title(title or f"set-A tokens, mean +- std over {result['images']} images", fontsize=9)
+    ax.set_title(title or f"set-A tokens, mean +- std over {result['images']} images", fontsize=8, wrap=True)
     save_figure(fig, path)

@@ -301,12 +301,39 @@ def cmd_analyze(args) -> int:
     k = args.kendall_k
     model = ltmp.patch(copy.deepcopy(dense), "topk-mp", k=k)
     tau = {"model": name, "method": f"topk-mp k={k}", **kendall_tau(model, loader, device, args.max_images)}
-    plot_kendall(tau, out / "kendall.png", title=f"{name}: Kendall tau of set-A tokens, {k} merged + {k} pruned "
-                                                f"per layer, {tau['images']} images")
+    plot_kendall(tau, out / "kendall.png", title=f"{name}: importance vs similarity of set-A tokens\n{k} merged + "
+                                                f"{k} pruned per layer, mean +- std over {tau['images']} images")
     atomic_write(out / "kendall.json", lambda tmp: Path(tmp).write_text(json.dumps(tau, indent=2)))
     written += ["kendall.png", "kendall.json"]
     print("Kendall tau per layer: " + " ".join("-" if t is None else f"{t:.2f}" for t in tau["mean"]))
     print(f"wrote {out}/: {', '.join(written)}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    import torch
+
+    import ltmp
+    from . import data as ldata
+    from .demo import BUNDLED_DATA
+    from .train import calibrate, pick_device
+
+    if not 0 < args.r_target <= 1:
+        raise CLIError(f"--r-target must lie in (0, 1], got {args.r_target}")
+    model, name = _load_model(args)
+    ltmp.patch(model, args.method)
+    root = ldata.resolve_root(args.data_dir or BUNDLED_DATA)
+    _, tf, _ = ldata.transforms_for(model, "none")
+    ds = ldata.ImageFolder(root / "train" if (root / "train").is_dir() else root, tf)
+    g = torch.Generator().manual_seed(args.seed)
+    pick = torch.randperm(len(ds), generator=g)[:args.images].tolist()
+    images = torch.stack([it[0] for it in (ds[i] for i in pick) if it is not None])
+    device = pick_device(args.device)
+    r = calibrate(model.to(device), images, args.r_target, device, mode=args.mode)
+    ltmp.save_thresholds(model, args.output, extra={"calibrated": f"{args.mode} on {len(images)} train images, "
+                                                                  f"r_target {args.r_target}, r_FLOPs {r:.4f}"})
+    print(f"{args.output}: {args.method} thresholds calibrated without training ({args.mode}) on {len(images)} "
+          f"training images of {name}: r_FLOPs {r:.3f} for r_target {args.r_target}")
     return 0
 
 
@@ -434,6 +461,19 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--device", default="auto")
     a.add_argument("--output", default="ltmp-analysis", help="folder for the PNG and JSON files")
     a.set_defaults(func=cmd_analyze)
+
+    c = sub.add_parser("calibrate", help="thresholds without training: bisected to hit r_target on a few images")
+    _add_model_args(c, required=False)
+    c.add_argument("--data-dir", help="ImageFolder root (train/ is used) or .tar.gz (default: the bundled subset)")
+    c.add_argument("--r-target", type=float, required=True)
+    c.add_argument("--method", default="ltmp", choices=["ltmp", "ltpm", "ltm", "ltp"])
+    c.add_argument("--mode", default="quantile", choices=["quantile", "shared"],
+                   help="quantile: per-layer score quantiles; shared: one threshold for every layer")
+    c.add_argument("--images", type=int, default=256, help="training images to calibrate on")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--device", default="auto")
+    c.add_argument("--output", default="thresholds.safetensors")
+    c.set_defaults(func=cmd_calibrate)
 
     pp = sub.add_parser("pareto", help="plot accuracy against GMACs from ltmp eval --json files (Figure 4)")
     pp.add_argument("evals", nargs="+", help="eval JSON files")
