@@ -161,6 +161,11 @@ def cmd_bench(args) -> int:
         torch.set_num_threads(args.threads)
     dense = create_model(args.model, args.pretrained, args.checkpoint).to(device).eval()
     reduced = _reduced_model(args, copy.deepcopy(dense)).to(device).eval()
+    exported = None
+    if args.exported:
+        from .export import load_exported
+
+        exported = load_exported(args.exported).to(device)
     spec = ltmp.vit_spec(dense)
     if args.data_dir:
         root = ldata.resolve_root(args.data_dir)
@@ -180,8 +185,10 @@ def cmd_bench(args) -> int:
         rec = ltmp.stats(reduced)
         g_mean = float(ltmp.gmacs(spec, rec.kept.cpu()).mean())
         g_exec = ltmp.gmacs_executed(spec, rec.padded)
-        t = compare_models({"dense": dense, "reduced": reduced}, x, warmup=args.warmup, reps=args.reps,
-                           rounds=args.rounds)
+        models = {"dense": dense, "reduced": reduced}
+        if exported is not None and bs == 1:  # exported programs run one image at a time
+            models["exported"] = exported
+        t = compare_models(models, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
         run = {"batch_size": bs, "dense_ms": 1000 * t["dense"]["median"], "reduced_ms": 1000 * t["reduced"]["median"],
                "dense_iqr_ms": [1000 * t["dense"]["p25"], 1000 * t["dense"]["p75"]],
                "reduced_iqr_ms": [1000 * t["reduced"]["p25"], 1000 * t["reduced"]["p75"]],
@@ -189,6 +196,11 @@ def cmd_bench(args) -> int:
                "gmacs": g_mean, "gmacs_ratio": g_mean / result["gmacs_dense"],
                "gmacs_executed": g_exec, "gmacs_executed_ratio": g_exec / result["gmacs_dense"],
                "throughput_dense": bs / t["dense"]["median"], "throughput_reduced": bs / t["reduced"]["median"]}
+        if "exported" in t:
+            run["exported_ms"] = 1000 * t["exported"]["median"]
+            run["exported_time_ratio"] = t["exported"]["median"] / t["dense"]["median"]
+            print(f"batch 1: exported {args.exported} {run['exported_ms']:.2f} ms, time ratio "
+                  f"{run['exported_time_ratio']:.3f}")
         result["runs"].append(run)
         print(f"batch {bs}: dense {run['dense_ms']:.2f} ms, {result['method']} {run['reduced_ms']:.2f} ms "
               f"(IQR {run['reduced_iqr_ms'][0]:.2f}-{run['reduced_iqr_ms'][1]:.2f}); time ratio "
@@ -337,6 +349,25 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    import torch
+
+    from . import data as ldata
+    from .export import export_model
+
+    model, name = _load_model(args)
+    if args.thresholds or args.method:
+        model = _reduced_model(args, model)
+    if args.image:
+        _, tf, _ = ldata.transforms_for(model, "none")
+        example = _read_images(args.image, tf, 1)[0][1][None]
+    else:
+        example = torch.randn(1, *model.pretrained_cfg.get("input_size", (3, 224, 224)))
+    path = export_model(model, example, args.format, args.output)
+    print(f"wrote {path} ({args.format}, {name}, {getattr(getattr(model, 'ltmp_config', None), 'method', 'dense')})")
+    return 0
+
+
 def cmd_pareto(args) -> int:
     from .viz import plot_pareto
 
@@ -431,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     _add_reduction_args(b)
     b.add_argument("--batch-size", type=int, default=32, help="throughput batch (batch 1 is always timed)")
+    b.add_argument("--exported", help="also time this ltmp export file (.pt2 or TorchScript) at batch 1")
     b.add_argument("--data-dir", help="time on the first images of this eval split (default: random input)")
     b.add_argument("--val-split", default="val")
     b.add_argument("--warmup", type=int, default=3)
@@ -474,6 +506,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default="auto")
     c.add_argument("--output", default="thresholds.safetensors")
     c.set_defaults(func=cmd_calibrate)
+
+    x = sub.add_parser("export", help="export for deployment: torch.export (.pt2), ONNX or TorchScript")
+    _add_model_args(x, required=False)
+    _add_reduction_args(x)
+    x.add_argument("--format", default="export", choices=["export", "onnx", "torchscript"])
+    x.add_argument("--image", help="example image (default: random input of the model's size)")
+    x.add_argument("--output", required=True, help="file to write (.pt2 for export, .onnx, .pt for torchscript)")
+    x.set_defaults(func=cmd_export)
 
     pp = sub.add_parser("pareto", help="plot accuracy against GMACs from ltmp eval --json files (Figure 4)")
     pp.add_argument("evals", nargs="+", help="eval JSON files")

@@ -85,6 +85,12 @@ class StepResult:
     kept_frac: Tensor | int  # (B,) surviving patch tokens, differentiable in train mode (m-bar of eq. 13, times n)
 
 
+def is_exporting() -> bool:
+    """True while torch.export traces the model (``torch.compiler.is_exporting``, torch >= 2.6)."""
+    fn = getattr(torch.compiler, "is_exporting", None)
+    return bool(fn()) if fn is not None else False
+
+
 def layer_rate(rate: Sequence[int] | None, layer: int) -> int:
     return 0 if rate is None else int(rate[layer])
 
@@ -208,6 +214,7 @@ def _reduce_single(
     importance = importance[0] if importance is not None else None  # (N,)
     alive = None  # (N,) bool once something is removed
     n_merged, merged_once = 0, state.merged_once
+    exporting = is_exporting()  # token counts are symbolic: no Python branch may read them
     for op in cfg.ops:
         if op == "merge":
             if alive is not None:  # ltpm: pruned tokens leave first, so that A/B alternate over the survivors
@@ -216,24 +223,32 @@ def _reduce_single(
                 source = None if source is None else source[:, idx]
                 alive, N = None, idx.shape[0]
             a0 = (P + 1) // 2  # first set-A row past the prefix (A: even positions, B: odd positions)
-            if (N - 2 * a0 + 1) // 2 < 1 or N // 2 - P // 2 < 1 or (not cfg.learned and rate == 0):
+            if not cfg.learned and rate == 0:
+                continue
+            if not exporting and ((N - 2 * a0 + 1) // 2 < 1 or N // 2 - P // 2 < 1):
                 continue
             m = metric[0] / metric[0].norm(dim=-1, keepdim=True)  # (N, D)
             sim = m[2 * a0::2] @ m[1::2].T  # (Na, Nb)
             if P > 1:
                 sim[:, :P // 2] = float("-inf")  # B columns inside the prefix
+            if exporting:  # a -inf column keeps max() defined when set B is empty; it is never selected
+                sim = torch.cat([sim, sim.new_full((sim.shape[0], 1), float("-inf"))], dim=1)
             best, j = sim.max(dim=-1)  # (Na,), (Na,)
             if cfg.learned:
                 sel = (best > merge_threshold).nonzero().squeeze(1)  # (M,) merged A rows
             else:
-                sel = best.sort(descending=True, stable=True).indices[:min(rate, sim.shape[1] - P // 2)]  # (M,)
-            if sel.shape[0] == 0:
+                n_b = N // 2 - P // 2  # B tokens past the prefix
+                k = torch.sym_min(rate, torch.sym_max(0, n_b)) if exporting else min(rate, max(0, n_b))
+                # ties (equal similarities) resolve by position; exports use top-k (ONNX has no stable sort)
+                sel = best.topk(k).indices if exporting else best.sort(descending=True, stable=True).indices[:k]
+            if not exporting and sel.shape[0] == 0:
                 continue
             src, dst = 2 * sel + 2 * a0, 2 * j[sel] + 1  # (M,) positions merged away, and their destinations
             x, size, source = _merge_single(x, size, source, src, dst)
             if importance is not None:
                 importance = importance.scatter_reduce(0, dst, importance[src], "amax")
-            alive = torch.ones(N, dtype=torch.bool, device=x.device).index_fill_(0, src, False)
+            alive = torch.ones(N, dtype=torch.bool, device=x.device)
+            alive[src] = False
             n_merged, merged_once = src.shape[0], True
         else:
             if cfg.learned:
@@ -244,18 +259,21 @@ def _reduce_single(
                 if alive is not None:
                     cand[~alive] = float("inf")
                 drop = torch.zeros(N, dtype=torch.bool, device=x.device)
-                drop[cand.sort(stable=True).indices[:rate]] = True
+                low = cand.topk(torch.sym_min(rate, N), largest=False).indices if exporting else \
+                    cand.sort(stable=True).indices[:rate]
+                drop[low] = True
             drop[:P] = False
             cand_alive = alive if alive is not None else torch.ones(N, dtype=torch.bool, device=x.device)
             kept = cand_alive & ~drop  # (N,)
-            if cfg.keep_one and not bool(kept[P:].any()) and bool(cand_alive[P:].any()):
+            if cfg.keep_one:  # spare the most important candidate when none would be left (branch-free)
                 spare = importance.float().masked_fill(~cand_alive, float("-inf"))
                 spare[:P] = float("-inf")
-                kept[spare.argmax()] = True
+                i = spare.argmax()
+                kept[i] = kept[i] | (~kept[P:].any() & cand_alive[P:].any())
             alive = kept
     if alive is not None:
         idx = alive.nonzero().squeeze(1)  # (N',)
-        if idx.shape[0] < N:
+        if exporting or idx.shape[0] < N:
             x, size = x[:, idx], size[:, idx]
             source = None if source is None else source[:, idx]
     n_kept = x.shape[1] - P

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .flops import ViTSpec
-from .reduce import METHODS, ReduceConfig, StepResult, TokenState, initial_state, log_size, reduce_step
+from .reduce import METHODS, ReduceConfig, StepResult, TokenState, initial_state, is_exporting, log_size, reduce_step
 
 SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token' or 'avg' pooling "
              "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*)")
@@ -215,6 +215,8 @@ def _features(model, x: Tensor) -> tuple[Tensor, TokenState]:
             sources.append(state.source[:, :, cfg.num_prefix:])
             keeps.append(state.keep > 0.5)
     x = model.norm(x)
+    if is_exporting() or torch.jit.is_tracing():  # symbolic counts: exported graphs have no record
+        return x, state
     if isinstance(steps[0].kept, int):  # single-image eval: counts are Python ints, one tensor per field
         counts = torch.tensor([[s.merged, s.pruned, s.kept] for s in steps], device=x.device).T[:, None]  # (3, 1, L)
         merged, pruned, kept = counts.unbind(0)
@@ -292,7 +294,8 @@ def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
     keep = state.keep if state.masked_once else None
     ls = log_size(state)
     importance = None
-    if cfg.needs_importance or not attn.fused_attn or (keep is not None and keep.requires_grad):
+    if cfg.needs_importance or not attn.fused_attn or (keep is not None and keep.requires_grad) \
+            or is_exporting():  # SDPA's mask broadcasting would guard on the symbolic token count
         o, probs = ops.masked_attention(q, k, v, attn.scale, keep, ls, attn.attn_drop)  # (B, H, N, D)
         if cfg.needs_importance:  # while the (B, H, N, N) probabilities are still in cache
             importance = ops.importance_scores(probs, keep, cfg.importance)  # (B, N)

@@ -1,0 +1,94 @@
+"""Export a patched model for deployment, with its data-dependent token counts intact where the format allows.
+
+- ``export``: :func:`torch.export.export` of the batch-1 eval forward. Every merge/prune decision and the number
+  of tokens after every block stay data-dependent (unbacked symbolic sizes), so one exported program serves every
+  image. This is the path to ExecuTorch (phones) and AOTInductor. Saved with :func:`torch.export.save` (``.pt2``).
+- ``onnx``: the dynamo-based ONNX exporter (``torch.onnx.export(..., dynamo=True)``), built on the same program;
+  needs ``pip install onnx onnxscript``.
+- ``torchscript``: :func:`torch.jit.trace` records the token counts of the example image as constants, so the
+  traced model reduces every image exactly like the example. That is exact only for fixed-rate methods (ToMe,
+  top-k), whose counts do not depend on the image; for learned thresholds use ``export``. Scripting is not
+  supported (the reduction step is Python with dataclasses).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+FORMATS = ("export", "onnx", "torchscript")
+
+
+class _Batch1(nn.Module):
+    """The batch-1 forward (logits only) of a patched model; the token record is not part of the graph."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class _Program(nn.Module):
+    """An exported program as a module that tolerates ``eval()`` (exported programs are always in eval mode)."""
+
+    def __init__(self, program: nn.Module):
+        super().__init__()
+        self.__dict__["program"] = program  # not a submodule: its train()/eval() raise
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.program(x)
+
+    def to(self, *args, **kwargs):
+        self.__dict__["program"] = self.program.to(*args, **kwargs)
+        return self
+
+
+def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | os.PathLike) -> Path:
+    """Export ``model`` (patched or dense) for inputs shaped like ``example`` (1, 3, H, W) to ``path``.
+
+    Returns:
+        The written path.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format '{fmt}'; choose one of: {', '.join(FORMATS)}")
+    if example.shape[0] != 1:
+        raise ValueError("export takes one example image (batch 1): the exported model runs one image at a time")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model = _Batch1(model.eval())
+    with torch.no_grad():
+        if fmt == "export":
+            program = torch.export.export(model, (example,))
+            torch.export.save(program, str(path))
+        elif fmt == "onnx":
+            try:
+                import onnxscript  # noqa: F401
+            except ImportError:
+                raise ValueError("ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript") \
+                    from None
+            torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=False)
+        else:
+            cfg = getattr(model.model, "ltmp_config", None)
+            if cfg is not None and cfg.learned:
+                warnings.warn("TorchScript tracing fixes the token counts of the example image; learned thresholds "
+                              "need data-dependent counts: use --format export", stacklevel=2)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                traced = torch.jit.trace(model, (example,), check_trace=False)
+            traced.save(str(path))
+    return path
+
+
+def load_exported(path: str | os.PathLike) -> nn.Module:
+    """A callable module from an exported file: ``.pt2`` (torch.export) or TorchScript."""
+    path = Path(path)
+    if path.suffix == ".pt2":
+        return _Program(torch.export.load(str(path)).module())
+    if path.suffix == ".onnx":
+        raise ValueError("run .onnx files with onnxruntime; ltmp loads .pt2 (torch.export) and TorchScript files")
+    return torch.jit.load(str(path))

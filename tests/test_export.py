@@ -1,0 +1,87 @@
+"""Exported models give the eager model's outputs on images whose kept token counts differ."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import ltmp
+from conftest import THRESHOLDS, images, make_model
+from ltmp.cli import main
+from ltmp.export import export_model, load_exported
+from test_cli import tiny_data, tiny_model  # noqa: F401  (fixtures)
+
+
+def _patched(config: str, method: str):
+    options = THRESHOLDS if method == "ltmp" else ({"r": 6} if method == "tome" else {"k": 5})
+    return ltmp.patch(make_model(config, torch.float32), method, **options).eval()
+
+
+def _eager(model, xs):
+    outs, kept = [], []
+    with torch.no_grad():
+        for x in xs:
+            outs.append(model(x))
+            kept.append(ltmp.stats(model).kept[0, -1].item())
+    return outs, kept
+
+
+@pytest.mark.parametrize("config,method", [("cls", "ltmp"), ("registers", "ltmp"), ("no-cls-avg", "ltmp"),
+                                           ("cls", "tome"), ("cls", "topk-prune")])
+def test_torch_export_keeps_data_dependent_token_counts(config, method, tmp_path):
+    model = _patched(config, method)
+    xs = [x[None] for x in images(4, torch.float32, seed=3)]
+    want, kept = _eager(model, xs)
+    if method == "ltmp":
+        assert len(set(kept)) > 1, f"the images must keep different token counts: {kept}"
+    path = export_model(model, xs[0], "export", tmp_path / "m.pt2")
+    exported = load_exported(path)
+    for x, w in zip(xs, want):
+        got = exported(x)
+        assert torch.allclose(got, w, atol=1e-5, rtol=0), (got - w).abs().max()
+
+
+def test_torchscript_trace_is_exact_for_fixed_rates_and_warns_for_thresholds(tmp_path):
+    model = _patched("cls", "tome")
+    xs = [x[None] for x in images(3, torch.float32, seed=4)]
+    want, _ = _eager(model, xs)
+    traced = load_exported(export_model(model, xs[0], "torchscript", tmp_path / "t.pt"))
+    for x, w in zip(xs, want):
+        assert torch.allclose(traced(x), w, atol=1e-5, rtol=0)
+    with pytest.warns(UserWarning, match="use --format export"):
+        export_model(_patched("cls", "ltmp"), xs[0], "torchscript", tmp_path / "l.pt")
+
+
+def test_export_cli_writes_a_program_that_bench_can_time(tiny_model, tiny_data, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "tome.pt2"
+    assert main(["export", "--model", tiny_model, "--pretrained", "--method", "tome", "--r", "3",
+                 "--image", str(next((tiny_data / "val" / "class0").iterdir())), "--output", str(out)]) == 0
+    assert out.stat().st_size > 0
+    assert main(["--quiet", "bench", "--model", tiny_model, "--pretrained", "--method", "tome", "--r", "3",
+                 "--batch-size", "2", "--reps", "1", "--rounds", "1", "--warmup", "1", "--exported", str(out),
+                 "--json", str(tmp_path / "b.json")]) == 0
+    run = json.loads((tmp_path / "b.json").read_text())["runs"][0]
+    assert run["batch_size"] == 1 and run["exported_ms"] > 0
+
+
+def test_export_rejects_batches():
+    with pytest.raises(ValueError, match="batch 1"):
+        export_model(_patched("cls", "tome"), images(2, torch.float32), "export", "x.pt2")
+
+
+@pytest.mark.parametrize("method", ["ltmp", "tome", "topk-prune"])
+def test_onnx_export_runs_in_onnxruntime_with_data_dependent_counts(method, tmp_path):
+    ort = pytest.importorskip("onnxruntime")  # in requirements-dev.txt; optional for users
+    model = _patched("cls", method)
+    xs = [x[None] for x in images(4, torch.float32, seed=3)]
+    want, kept = _eager(model, xs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = export_model(model, xs[0], "onnx", tmp_path / "m.onnx")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    for x, w in zip(xs, want):
+        got = torch.from_numpy(session.run(None, {name: x.numpy()})[0])
+        assert torch.allclose(got, w, atol=1e-4, rtol=0), (got - w).abs().max()
