@@ -200,8 +200,11 @@ def _tmp_thresholds(model, args) -> str:
 
 def markdown(result: dict) -> str:
     env = result["env"]
-    lines = [f"Measured on: {env['device_name']}, {env['threads']} threads, torch {env['torch']}, timm "
-             f"{env['timm']}. Produced by `{result['command']}`.", ""]
+    lines = [f"Measured on: {env['device_name']}, torch {env['torch']}, timm {env['timm']}. Produced by "
+             f"`{result['command']}`. `ms` is one timed repetition: 8 different images one at a time (batch 1), "
+             f"or one batch of 32; medians over interleaved rounds. Time and GMACs ratios are to the dense model "
+             f"in the same rounds; baselines are matched to LTMP's mean GMACs, `tome@exec` to its executed "
+             f"(padded) GMACs.", ""]
     for m in result["models"]:
         lines += [f"### {m['model']} (dense {m['gmacs_dense']:.4f} GMACs)", "",
                   "| r_target | method | batch | ms | time ratio | GMACs ratio | executed GMACs ratio |",
@@ -244,7 +247,11 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     p.add_argument("--json", default=str(ROOT / "runs" / "speed.json"))
     p.add_argument("--out", help="write the markdown tables here (e.g. docs/speed.md)")
+    p.add_argument("--from-json", help="only rewrite --out from an earlier run's JSON (no timing)")
     args = p.parse_args()
+    if args.from_json:
+        Path(args.out).write_text(markdown(json.loads(Path(args.from_json).read_text())) + "\n")
+        return 0
     args.targets = [float(t) for t in args.targets.split(",")]
     if args.quick:
         args.reps, args.rounds, args.train_reps, args.train_rounds, args.warmup = 1, 1, 1, 1, 1

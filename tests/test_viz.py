@@ -103,6 +103,9 @@ def test_pareto_plots_eval_files_and_rejects_others(tmp_path, capsys):
         files.append(str(f))
     assert main(["pareto", *files, "--output", str(tmp_path / "p.png")]) == 0
     assert Image.open(tmp_path / "p.png").size[0] > 200
+    points = json.loads((tmp_path / "p.json").read_text())
+    assert [(p["method"], p["gmacs"]) for p in points] == [("dense", 1.0), ("ltmp", 0.5), ("ltmp", 0.7),
+                                                           ("tome", 0.7)]
     (tmp_path / "x.json").write_text("{}")
     assert main(["pareto", str(tmp_path / "x.json"), "--output", str(tmp_path / "q.png")]) == 2
     assert capsys.readouterr().err.strip() == (f"ltmp: error: {tmp_path / 'x.json'} is not an eval JSON "

@@ -379,7 +379,14 @@ def cmd_pareto(args) -> int:
         except (OSError, ValueError, KeyError, TypeError):
             raise CLIError(f"{f} is not an eval JSON (write one with ltmp eval --json FILE)") from None
     plot_pareto(results, args.output, title=args.title)
-    print(f"wrote {args.output} ({len(results)} runs)")
+    from .thresholds import atomic_write
+
+    points = Path(args.output).with_suffix(".json")
+    rows = [{"file": f, **r} for f, r in zip(args.evals, results)]
+    atomic_write(points, lambda tmp: Path(tmp).write_text(json.dumps(sorted(rows, key=lambda r: (r["method"],
+                                                                                                 r["gmacs"])),
+                                                                      indent=2)))
+    print(f"wrote {args.output} and {points} ({len(results)} runs)")
     return 0
 
 

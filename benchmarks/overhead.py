@@ -1,0 +1,80 @@
+"""Where batch-1 time goes besides arithmetic (the numbers behind docs/performance.md, "Why batch 1 ...").
+
+1. One reduction step in isolation at the DeiT-S shape (197 tokens, 384 channels, 6 heads).
+2. GEMM scaling: a 384 -> 1536 linear at 98 and 197 tokens, and at a fixed vs varying token count.
+3. LTMP (calibrated to r_FLOPs 0.7 on 16 images) and ToMe at the same GMACs against dense, 8 images at batch 1,
+   with 1 and with 2 threads.
+
+    python benchmarks/overhead.py
+"""
+from __future__ import annotations
+
+import copy
+import random
+import statistics
+import time
+
+import torch
+
+import ltmp
+from ltmp.bench import compare_models
+from ltmp.reduce import ReduceConfig, TokenState, reduce_step
+from ltmp.train import calibrate, rate_schedule
+from speed import load_images, load_model
+
+
+def per_call_us(fn, n: int) -> float:
+    for _ in range(max(3, n // 10)):
+        fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+@torch.no_grad()
+def main() -> None:
+    torch.manual_seed(0)
+    N, C, H, D = 197, 384, 6, 64
+    x, metric = torch.randn(1, N, C), torch.randn(1, N, D)
+    importance = torch.randn(1, H, N, N).softmax(-1).mean(dim=(1, 2))
+    state = TokenState(size=torch.ones(1, N), keep=torch.ones(1, N), compact=True)
+    cfg = ReduceConfig(method="ltmp")
+    mt, pt = torch.tensor(0.3), torch.tensor(0.5 / N)
+    us = per_call_us(lambda: reduce_step(x, state, cfg, 0, importance, metric, mt, pt), 500)
+    kept = reduce_step(x, state, cfg, 0, importance, metric, mt, pt)[0].shape[1]
+    print(f"1. one LTMP reduction step, batch 1, DeiT-S shape ({N} -> {kept} tokens): {us:.0f} us")
+
+    lin = torch.nn.Linear(384, 1536)
+    xs = {m: torch.randn(1, m, 384) for m in range(90, 200)}
+    t98 = statistics.median(per_call_us(lambda: lin(xs[98]), 200) for _ in range(5))
+    t197 = statistics.median(per_call_us(lambda: lin(xs[197]), 200) for _ in range(5))
+    print(f"2. linear 384->1536: 98 tokens {t98:.0f} us, 197 tokens {t197:.0f} us, ratio {t98 / t197:.3f} "
+          f"(token ratio {98 / 197:.3f})")
+    rng = random.Random(0)
+    varied = [rng.randint(90, 190) for _ in range(100)]
+    mean_m = round(statistics.mean(varied))
+    fixed_us = statistics.median(per_call_us(lambda: [lin(xs[mean_m]) for _ in range(100)], 5) for _ in range(5))
+    varied_us = statistics.median(per_call_us(lambda: [lin(xs[m]) for m in varied], 5) for _ in range(5))
+    print(f"   100 calls at a fixed {mean_m} tokens {fixed_us / 1e3:.1f} ms, at varying counts (mean {mean_m}) "
+          f"{varied_us / 1e3:.1f} ms, ratio {varied_us / fixed_us:.3f}")
+
+    dense = load_model("deit-s")
+    spec = ltmp.vit_spec(dense)
+    red = ltmp.patch(copy.deepcopy(dense), "ltmp")
+    calibrate(red, load_images(dense, "train", 16), 0.7, mode="quantile", iters=8)
+    singles = [s[None] for s in load_images(dense, "test", 8)]
+    g = statistics.mean(float(ltmp.gmacs(spec, (red.eval()(s), ltmp.stats(red).kept)[1])[0]) for s in singles)
+    tome = ltmp.patch(copy.deepcopy(dense), "tome", r=rate_schedule(spec, g))
+    threads = torch.get_num_threads()
+    for n in sorted({1, threads}):
+        torch.set_num_threads(n)
+        t = compare_models({"dense": dense, "ltmp": red, "tome": tome}, singles, warmup=1, reps=1, rounds=6)
+        print(f"3. {n} thread(s), batch 1, GMACs ratio {g / ltmp.dense_gmacs(spec):.3f}: time ratio LTMP "
+              f"{t['ltmp']['median'] / t['dense']['median']:.3f}, ToMe {t['tome']['median'] / t['dense']['median']:.3f}"
+              f" (dense {1000 * t['dense']['median'] / len(singles):.1f} ms per image)")
+    torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    main()
