@@ -309,3 +309,21 @@ def test_class_attention_importance_runs_and_records_choice(tmp_path):
         model(images(2))
     assert ltmp.stats(model).pruned.sum() > 0
 
+
+
+@pytest.mark.parametrize("method,options", [("ltmp", THRESHOLDS), ("tome", dict(r=6)), ("topk-mp", dict(k=3))])
+def test_batched_eval_synchronises_once_per_block(method, options, monkeypatch):
+    """Host synchronisation (bool/int/item/tolist/nonzero on a tensor) only where compaction needs the counts."""
+    model = patched("cls", method, options)
+    x = images(4)
+    calls = []
+    for name in ("__bool__", "__int__", "__float__", "item", "tolist", "nonzero"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name, **k:
+                            calls.append(_name) or _real(self, *a, **k))
+    with torch.no_grad():
+        model(x)
+    monkeypatch.undo()
+    assert len(calls) <= len(model.blocks), calls
+    assert calls.count("tolist") == len(model.blocks)  # the counts of each compaction (the check sees them)
+    assert max(ltmp.stats(model).padded[1:]) < 65  # tokens were really removed

@@ -185,7 +185,7 @@ def best_match_contiguous(metric: Tensor, keep: Tensor, num_prefix: int) -> tupl
     score = torch.full((B, N), float("-inf"), dtype=best.dtype, device=best.device)
     score[:, ::2] = best.masked_fill(~alive[:, ::2], float("-inf"))
     dst = torch.zeros(B, N, dtype=torch.long, device=metric.device)
-    dst[:, ::2] = 2 * j + 1
+    dst[:, ::2] = (2 * j + 1).clamp(max=N - 1)  # in range even where set B is empty (such rows never merge)
     return score, dst, is_a
 
 
@@ -264,7 +264,7 @@ def group_max(scores: Tensor, merge: Tensor, dst: Tensor) -> Tensor:
     return scores.scatter_reduce(1, dst, src, reduce="amax", include_self=True)
 
 
-def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
+def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor | None], int]:
     """Gather each image's surviving tokens to the front, in order, padded to the longest set in the batch.
 
     Padding is zero-filled. This is O(B N) (a cumulative sum and a scatter), without sorting.
@@ -274,15 +274,16 @@ def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor 
         tensors: Tensors of shape (B, N, ...) to compact alike (None passes through).
 
     Returns:
-        The new keep (B, N') and the compacted tensors (B, N', ...).
+        The new keep (B, N'), the compacted tensors (B, N', ...), and the number of surviving tokens in the batch.
     """
     alive = keep > 0.5  # (B, N)
-    counts = alive.sum(dim=1)  # (B,)
-    n_new = int(counts.max())  # the one host synchronisation compaction needs
     B, N = alive.shape
     if B == 1:
-        idx = alive[0].nonzero().squeeze(1)  # (N',)
-        return keep.new_ones(1, n_new), [None if t is None else t[:, idx] for t in tensors]
+        idx = alive[0].nonzero().squeeze(1)  # (N',)  the one host synchronisation compaction needs
+        return keep.new_ones(1, idx.shape[0]), [None if t is None else t[:, idx] for t in tensors], idx.shape[0]
+    counts = alive.sum(dim=1)  # (B,)
+    host = counts.tolist()  # the one host synchronisation compaction needs
+    n_new = max(host)
     pos = torch.where(alive, alive.long().cumsum(dim=1) - 1, n_new)  # (B, N); removed tokens go to a dump slot
     out = []
     for t in tensors:
@@ -293,4 +294,4 @@ def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor 
         index = pos.view(B, N, *([1] * (t.dim() - 2))).expand_as(t)
         out.append(t.new_zeros(shape).scatter_(1, index, t)[:, :n_new])
     new_keep = (torch.arange(n_new, device=keep.device)[None, :] < counts[:, None]).to(keep.dtype)  # (B, N')
-    return new_keep, out
+    return new_keep, out, sum(host)

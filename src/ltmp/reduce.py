@@ -73,6 +73,7 @@ class TokenState:
     source: Tensor | None = None  # (B, N, N0) patches covered by each token, if traced
     merged_once: bool = False  # sizes may differ from 1 (proportional attention needed)
     masked_once: bool = False  # some token is masked or padded (masked attention needed)
+    real: int | None = None  # eval: real (not padding) tokens in the batch, known on the host after compaction
 
 
 @dataclasses.dataclass
@@ -152,12 +153,12 @@ def reduce_step(
                 k = torch.minimum(is_a.sum(1), n_b).clamp(max=rate)  # (B,)
                 merge = ops.topk_mask(score, is_a, k, largest=True).to(x.dtype)  # (B, N)
             hard = merge.detach() > 0.5  # (B, N)
-            if bool(hard.any()) or merge.requires_grad:
-                x, size, source = ops.merge_tokens(x, size, merge.to(size.dtype), dst, source)
-                if importance is not None:
-                    importance = ops.group_max(importance, merge, dst)
-                keep = keep * (1 - merge)
-                state = dataclasses.replace(state, merged_once=True, masked_once=True)
+            # no host check of whether anything merged: a merge of nothing returns the tokens bit-identical
+            x, size, source = ops.merge_tokens(x, size, merge.to(size.dtype), dst, source)
+            if importance is not None:
+                importance = ops.group_max(importance, merge, dst)
+            keep = keep * (1 - merge)
+            state = dataclasses.replace(state, merged_once=True, masked_once=True)
             merged = hard.sum(1)
         else:
             cand = keep > 0.5  # (B, N)
@@ -176,16 +177,15 @@ def reduce_step(
                     cand.sum(1, keepdim=True))
                 pm = pm + (spare & drop).to(pm.dtype)
                 drop = drop & ~spare
-            if bool(drop.any()) or pm.requires_grad:
-                keep = keep * torch.where(cand, pm, torch.ones_like(pm))
-                state = dataclasses.replace(state, masked_once=True)
+            keep = keep * torch.where(cand, pm, torch.ones_like(pm))
+            state = dataclasses.replace(state, masked_once=True)
             pruned = drop.sum(1)
     patch_keep = keep[:, P:]  # (B, N - P)
     result = StepResult(merged=merged, pruned=pruned, kept=(patch_keep > 0.5).sum(1), kept_frac=patch_keep.sum(1))
-    if state.compact and state.masked_once and bool((keep <= 0.5).any()):
-        keep, (x, size, source) = ops.compact(keep, x, size, source)
-        # without padding (e.g. batch 1) the next block needs no mask at all
-        state = dataclasses.replace(state, masked_once=bool((keep <= 0.5).any()))
+    if state.compact:  # eval: gather the survivors; the one host synchronisation of a block (the counts)
+        keep, (x, size, source), real = ops.compact(keep, x, size, source)
+        # without padding (e.g. equal counts) the next block needs no mask at all
+        state = dataclasses.replace(state, masked_once=real < keep.numel(), real=real)
     return x, dataclasses.replace(state, size=size, keep=keep, source=source), result
 
 

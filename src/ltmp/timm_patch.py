@@ -256,11 +256,13 @@ def _packed_index(state: TokenState) -> Tensor | None:
     """Flat indices of the real tokens of a padded eval batch (B * N -> T), or None when there is no padding to
     skip. Attention still runs on the padded (B, N) layout; packing makes the token-wise layers cost the batch's
     *mean* token count instead of its longest."""
-    if not (state.compact and state.masked_once):
+    if not (state.compact and state.masked_once) or state.real is None \
+            or state.real >= (1 - PACK_ABOVE) * state.keep.numel():
         return None
     alive = (state.keep > 0.5).flatten()  # (B * N,)
-    idx = alive.nonzero().squeeze(1)  # (T,)
-    return idx if idx.numel() < (1 - PACK_ABOVE) * alive.numel() else None
+    if hasattr(torch, "nonzero_static"):  # the count is known on the host: no synchronisation
+        return torch.nonzero_static(alive, size=state.real).squeeze(1)  # (T,)
+    return alive.nonzero().squeeze(1)  # (T,)
 
 
 def _tokenwise(fn, x: Tensor, idx: Tensor | None) -> Tensor:
