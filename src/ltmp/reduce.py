@@ -1,9 +1,11 @@
-"""The per-block reduction step of LTMP (paper section 3.3), one code path for every method and both modes.
+"""The per-block reduction step of LTMP (paper section 3.3), one definition for every method and both modes.
 
 A block runs attention on the surviving tokens, then this step merges and/or prunes (in the method's order), then
 the MLP. Train mode keeps every token in the tensor and carries a straight-through keep mask (eq. 3:
-``m^l = m^(l-1) * M(s, theta)``); eval mode removes the tokens (:func:`ltmp.ops.compact`). Both run exactly the
-code below, so they make the same decisions.
+``m^l = m^(l-1) * M(s, theta)``); eval mode removes the tokens (:func:`ltmp.ops.compact`). Both run the masked
+step :func:`reduce_step`, so they make the same decisions; a single image in eval mode runs
+:func:`_reduce_single`, the same step on index lists (fewer operator calls), which the tests hold to the same
+decisions.
 """
 from __future__ import annotations
 
