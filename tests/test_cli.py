@@ -104,6 +104,13 @@ def test_eval_json_has_stable_keys_and_fixed_rate_baselines(tiny_model, tiny_dat
     dense = main(common + ["--method", "dense"])
     assert dense == 0
     assert abs(res_c["gmacs"] - res["gmacs"]) <= abs(res_b["gmacs"] - res["gmacs"]) + 1e-12
+    for method in ("topk-prune", "topk-mp"):  # --match picks the schedule of the named fixed-rate method
+        d = tmp_path / f"{method}.json"
+        assert main(common + ["--method", method, "--match", str(a), "--json", str(d)]) == 0
+        res_d = json.loads(d.read_text())
+        assert res_d["method"] == method and sum(x["pruned"] for x in res_d["per_layer"]) > 0
+        spec = ltmp.vit_spec(timm.create_model(tiny_model))
+        assert res_d["rate"] == ltmp.train.rate_schedule(spec, res["gmacs"], method)
 
 
 def test_resume_after_kill_matches_uninterrupted_run(tiny_model, tiny_data, tmp_path):

@@ -95,14 +95,14 @@ def cmd_eval(args) -> int:
     elif args.method and args.method != "dense":
         if args.method in ("ltmp", "ltpm", "ltm", "ltp"):
             raise CLIError(f"--method {args.method} needs learned thresholds: pass --thresholds FILE")
-        r = _rates(args.r)
+        rate = _rates(args.r if args.method == "tome" else args.k)
         if args.match_gmacs is not None or args.match is not None:
             target = args.match_gmacs
             if args.match is not None:
                 target = json.loads(Path(args.match).read_text())["gmacs"]
-            r = rate_schedule(ltmp.vit_spec(model), target)
-        ltmp.patch(model, args.method, r=r if args.method == "tome" else None,
-                   k=_rates(args.k) if args.method != "tome" else None)
+            rate = rate_schedule(ltmp.vit_spec(model), target, args.method)
+        ltmp.patch(model, args.method, r=rate if args.method == "tome" else None,
+                   k=rate if args.method != "tome" else None)
     root = ldata.resolve_root(args.data_dir)
     _, eval_tf, _ = ldata.transforms_for(model, "none")
     dataset = ldata.ImageFolder(ldata.split_dir(root, args.val_split), eval_tf)
