@@ -99,3 +99,21 @@ def test_bundled_assets_load_and_fit_the_size_budget():
     with tarfile.open(BUNDLED_DATA) as tar:
         names = [m.name for m in tar.getmembers() if m.isfile()]
     assert sum(n.startswith("train/") for n in names) == 4000 and sum(n.startswith("test/") for n in names) == 1000
+
+
+@pytest.mark.parametrize("mode", ["shared", "quantile"])
+def test_calibrate_cli_writes_thresholds_that_hit_the_target_on_its_images(tiny_model, tiny_data, tmp_path,  # noqa: F811
+                                                                          mode, capsys):
+    out = tmp_path / "t.safetensors"
+    assert main(["calibrate", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--r-target",
+                 "0.6", "--mode", mode, "--images", "40", "--output", str(out)]) == 0
+    assert "r_FLOPs" in capsys.readouterr().out
+    model = ltmp.load_thresholds(ltmp.train.create_model(tiny_model, pretrained=True), out)
+    from ltmp.train import calibration_batch
+
+    x = calibration_batch(model, tiny_data / "train", 40, 0)
+    assert len(x) == 40
+    with torch.no_grad():
+        model.eval()(x)
+    assert abs(float(ltmp.r_flops(model).mean()) - 0.6) < 0.05
+    assert main(["calibrate", "--model", tiny_model, "--r-target", "1.5", "--output", str(out)]) == 2

@@ -81,8 +81,19 @@ def format_eval(r: dict) -> str:
             + (f", {r['skipped']} unreadable skipped" if r["skipped"] else ""))
 
 
-def cmd_eval(args) -> int:
+def _eval_set(model, data_dir: str, val_split: str, max_images: int | None = None):
+    """The model's eval transform over the eval split (val <-> test fallback), optionally its first images."""
     import torch
+
+    from . import data as ldata
+
+    root = ldata.resolve_root(data_dir)
+    _, eval_tf, _ = ldata.transforms_for(model, "none")
+    dataset = ldata.ImageFolder(ldata.split_dir(root, val_split), eval_tf)
+    return torch.utils.data.Subset(dataset, range(min(max_images, len(dataset)))) if max_images else dataset
+
+
+def cmd_eval(args) -> int:
     from torch.utils.data import DataLoader
 
     import ltmp
@@ -103,11 +114,7 @@ def cmd_eval(args) -> int:
             rate = rate_schedule(ltmp.vit_spec(model), target, args.method)
         ltmp.patch(model, args.method, r=rate if args.method == "tome" else None,
                    k=rate if args.method != "tome" else None)
-    root = ldata.resolve_root(args.data_dir)
-    _, eval_tf, _ = ldata.transforms_for(model, "none")
-    dataset = ldata.ImageFolder(ldata.split_dir(root, args.val_split), eval_tf)
-    if args.max_images:
-        dataset = torch.utils.data.Subset(dataset, range(min(args.max_images, len(dataset))))
+    dataset = _eval_set(model, args.data_dir, args.val_split, args.max_images)
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
                         collate_fn=ldata.collate_skip)
     result = evaluate(model, loader, pick_device(args.device), amp=args.amp, progress=not args.quiet,
@@ -152,7 +159,6 @@ def cmd_bench(args) -> int:
     import torch
 
     import ltmp
-    from . import data as ldata
     from .bench import compare_models
     from .train import create_model, pick_device
 
@@ -168,10 +174,8 @@ def cmd_bench(args) -> int:
         exported = load_exported(args.exported).to(device)
     spec = ltmp.vit_spec(dense)
     if args.data_dir:
-        root = ldata.resolve_root(args.data_dir)
-        _, tf, _ = ldata.transforms_for(dense, "none")
-        ds = ldata.ImageFolder(ldata.split_dir(root, args.val_split), tf)
-        batch = torch.stack([ds[i][0] for i in range(min(args.batch_size, len(ds)))])
+        ds = _eval_set(dense, args.data_dir, args.val_split, args.batch_size)
+        batch = torch.stack([ds[i][0] for i in range(len(ds))])
     else:
         g = torch.Generator().manual_seed(0)
         batch = torch.randn(args.batch_size, *dense.pretrained_cfg.get("input_size", (3, 224, 224)), generator=g)
@@ -278,7 +282,6 @@ def cmd_analyze(args) -> int:
     import copy
 
     import numpy as np
-    import torch
     from torch.utils.data import DataLoader
 
     import ltmp
@@ -290,10 +293,7 @@ def cmd_analyze(args) -> int:
 
     dense, name = _load_model(args)
     device = pick_device(args.device)
-    root = ldata.resolve_root(args.data_dir or BUNDLED_DATA)
-    _, tf, _ = ldata.transforms_for(dense, "none")
-    dataset = ldata.ImageFolder(ldata.split_dir(root, args.val_split), tf)
-    dataset = torch.utils.data.Subset(dataset, range(min(args.max_images, len(dataset))))
+    dataset = _eval_set(dense, args.data_dir or BUNDLED_DATA, args.val_split, args.max_images)
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers, collate_fn=ldata.collate_skip)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -323,23 +323,17 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    import torch
-
     import ltmp
     from . import data as ldata
     from .demo import BUNDLED_DATA
-    from .train import calibrate, pick_device
+    from .train import calibrate, calibration_batch, pick_device
 
     if not 0 < args.r_target <= 1:
         raise CLIError(f"--r-target must lie in (0, 1], got {args.r_target}")
     model, name = _load_model(args)
     ltmp.patch(model, args.method)
     root = ldata.resolve_root(args.data_dir or BUNDLED_DATA)
-    _, tf, _ = ldata.transforms_for(model, "none")
-    ds = ldata.ImageFolder(root / "train" if (root / "train").is_dir() else root, tf)
-    g = torch.Generator().manual_seed(args.seed)
-    pick = torch.randperm(len(ds), generator=g)[:args.images].tolist()
-    images = torch.stack([it[0] for it in (ds[i] for i in pick) if it is not None])
+    images = calibration_batch(model, root / "train" if (root / "train").is_dir() else root, args.images, args.seed)
     device = pick_device(args.device)
     r = calibrate(model.to(device), images, args.r_target, device, mode=args.mode)
     ltmp.save_thresholds(model, args.output, extra={"calibrated": f"{args.mode} on {len(images)} train images, "
@@ -369,6 +363,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_pareto(args) -> int:
+    from .thresholds import atomic_write
     from .viz import plot_pareto
 
     results = []
@@ -379,13 +374,9 @@ def cmd_pareto(args) -> int:
         except (OSError, ValueError, KeyError, TypeError):
             raise CLIError(f"{f} is not an eval JSON (write one with ltmp eval --json FILE)") from None
     plot_pareto(results, args.output, title=args.title)
-    from .thresholds import atomic_write
-
     points = Path(args.output).with_suffix(".json")
-    rows = [{"file": f, **r} for f, r in zip(args.evals, results)]
-    atomic_write(points, lambda tmp: Path(tmp).write_text(json.dumps(sorted(rows, key=lambda r: (r["method"],
-                                                                                                 r["gmacs"])),
-                                                                      indent=2)))
+    rows = sorted(({"file": f, **r} for f, r in zip(args.evals, results)), key=lambda r: (r["method"], r["gmacs"]))
+    atomic_write(points, lambda tmp: Path(tmp).write_text(json.dumps(rows, indent=2)))
     print(f"wrote {args.output} and {points} ({len(results)} runs)")
     return 0
 

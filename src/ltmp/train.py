@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, Sampler, Subset
 
 from . import data as ldata
 from .flops import budget_loss_value, dense_gmacs, gmacs, gmacs_executed
-from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
 from .reduce import METHODS
+from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
 from .timm_patch import THRESHOLD_NAMES, patch, vit_spec
 
 
@@ -320,7 +320,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     steps = total_steps(cfg, len(indices))
     start = 0
     if cfg.calibrate and not (resume and ckpt_path.exists()):
-        calibrate(model, calibration_batch(model, train_set, indices, cfg), cfg.r_target, device)
+        calibrate(model, calibration_batch(model, train_set.root, cfg.calibrate_images, cfg.seed + 31, indices,
+                                           train_set.classes), cfg.r_target, device)
         threshold_training_mode(model)
     if resume and ckpt_path.exists():
         start = load_checkpoint_state(model, ckpt_path, cfg)
@@ -442,13 +443,15 @@ def _log_step(line: str) -> float:
 # ------------------------------------------------------------------------------------------------------ calibrate
 
 
-def calibration_batch(model: nn.Module, dataset: ldata.ImageFolder, indices: list[int],
-                      cfg: TrainConfig) -> torch.Tensor:
-    """The first ``calibrate_images`` of a seeded shuffle of the training images, with the eval transform."""
+def calibration_batch(model: nn.Module, root: str | os.PathLike, n: int, seed: int,
+                      indices: list[int] | None = None, classes: list[str] | None = None) -> torch.Tensor:
+    """The first ``n`` of a seeded shuffle of the images under ``root`` (or of ``indices`` into them), with the
+    model's eval transform; unreadable images are left out."""
     _, eval_tf, _ = ldata.transforms_for(model, "none")
-    g = torch.Generator().manual_seed(cfg.seed + 31)
-    pick = [indices[i] for i in torch.randperm(len(indices), generator=g)[:cfg.calibrate_images].tolist()]
-    eval_set = ldata.ImageFolder(dataset.root, eval_tf, dataset.classes)
+    eval_set = ldata.ImageFolder(root, eval_tf, classes)
+    indices = list(range(len(eval_set))) if indices is None else indices
+    g = torch.Generator().manual_seed(seed)
+    pick = [indices[i] for i in torch.randperm(len(indices), generator=g)[:n].tolist()]
     items = [eval_set[i] for i in pick]
     return torch.stack([it[0] for it in items if it is not None])
 

@@ -7,7 +7,6 @@ and pruned patches greyed out.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
