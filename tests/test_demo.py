@@ -102,8 +102,8 @@ def test_bundled_assets_load_and_fit_the_size_budget():
 
 
 @pytest.mark.parametrize("mode", ["shared", "quantile"])
-def test_calibrate_cli_writes_thresholds_that_hit_the_target_on_its_images(tiny_model, tiny_data, tmp_path,  # noqa: F811
-                                                                          mode, capsys):
+def test_calibrate_cli_writes_thresholds_that_hit_the_target(tiny_model, tiny_data, tmp_path, mode,  # noqa: F811
+                                                             capsys):
     out = tmp_path / "t.safetensors"
     assert main(["calibrate", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--r-target",
                  "0.6", "--mode", mode, "--images", "40", "--output", str(out)]) == 0

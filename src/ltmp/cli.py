@@ -60,7 +60,8 @@ def cmd_train(args) -> int:
         model=args.model, pretrained=args.pretrained, checkpoint=args.checkpoint, data_dir=args.data_dir,
         output=args.output, r_target=args.r_target, method=args.method, importance=args.importance, tau=args.tau,
         lam=args.lam, lr_prune=args.lr_prune, lr_merge=args.lr_merge, merge_init=args.merge_init,
-        prune_init=args.prune_init, calibrate=args.calibrate, batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
+        prune_init=args.prune_init, calibrate=args.calibrate, batch_size=args.batch_size, epochs=args.epochs,
+        steps=args.steps,
         val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
         augment=args.augment, amp=args.amp, seed=args.seed, checkpoint_every=args.checkpoint_every,
         workers=args.workers, device=args.device, eval_after=not args.no_eval)
@@ -449,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--method", choices=["dense", "tome", "topk-prune", "topk-mp", "ltmp", "ltpm", "ltm", "ltp"])
     e.add_argument("--r", help="ToMe: tokens merged per layer, an int or a per-layer list 6,6,5,...")
     e.add_argument("--k", help="top-k baselines: tokens per layer, an int or a per-layer list")
-    e.add_argument("--match-gmacs", type=float, help="fixed-rate methods: pick the per-layer r (or k) schedule closest to these GMACs")
+    e.add_argument("--match-gmacs", type=float,
+                   help="fixed-rate methods: pick the per-layer r (or k) schedule closest to these GMACs")
     e.add_argument("--match", help="fixed-rate methods: match the GMACs of this eval JSON")
     e.add_argument("--compare", help="eval JSON of another run on the same images: paired McNemar test")
     e.add_argument("--max-images", type=int, help="evaluate only the first N images")

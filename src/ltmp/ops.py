@@ -53,9 +53,10 @@ def masked_attention(
     ``S_ij = exp(A_ij) m_j / sum_k exp(A_ik) m_k`` (eq. 6) with ``A = QK^T / sqrt(d) + log(size)`` (eq. 7 plus
     ToMe's proportional attention). The result equals attention computed with the masked keys removed: no eps
     leaks probability to removed tokens. When the mask needs a gradient it multiplies, so gradients reach it (a
-    ``-inf`` fill would pass none); otherwise (eval) it is the equivalent ``-inf`` fill, a single softmax. For finite results in fp16/bf16 the softmax runs in fp32 with the row max taken over *kept* keys only;
-    masked keys' exponents are clamped at that max (their forward weight is zero anyway, this only bounds the
-    surrogate gradient they pass to their mask).
+    ``-inf`` fill would pass none); otherwise (eval) it is the equivalent ``-inf`` fill and a single softmax. The
+    softmax runs in fp32 for fp16/bf16 inputs. In the multiplicative form the row max is taken over *kept* keys
+    only and masked keys' exponents are clamped at that max (their forward weight is zero anyway, this only
+    bounds the surrogate gradient they pass to their mask).
 
     Args:
         q, k, v: (B, H, N, D).
