@@ -11,7 +11,6 @@ paper's start and from a calibrated start, and compares each with ToMe at matchi
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from cifar10_evidence import DATA, MODEL, ROOT, evaluate, run

@@ -44,6 +44,7 @@ import ltmp
 from ltmp import data as ldata
 from ltmp.bench import _sync, compare_models
 from ltmp.demo import BUNDLED_DATA
+from ltmp.thresholds import set_thresholds, threshold_tensors
 from ltmp.train import calibrate, pick_device, rate_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +168,7 @@ def run_model(name: str, args, device) -> dict:
     # training cost and memory, with the thresholds of the last target
     plain = frozen(copy.deepcopy(dense))
     patched = frozen(ltmp.patch(copy.deepcopy(dense), "ltmp"))
-    ltmp.load_thresholds(patched, _tmp_thresholds(ltmp_m, args))
+    set_thresholds(patched, threshold_tensors(ltmp_m))
     xt = batch[:args.train_batch]
     tt = train_step_time({"timm": plain, "ltmp-train": patched}, xt, reps=args.train_reps, rounds=args.train_rounds)
     mem = {}
@@ -189,13 +190,6 @@ def run_model(name: str, args, device) -> dict:
           f"{mem['ltmp-train']['attention'] / 2**20:.1f} + {mem['ltmp-train']['other'] / 2**20:.1f} "
           f"(B*T*C*L = {btc / 2**20:.1f})", flush=True)
     return out
-
-
-def _tmp_thresholds(model, args) -> str:
-    path = Path(args.json).with_suffix(".thresholds.safetensors")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ltmp.save_thresholds(model, path)
-    return str(path)
 
 
 def markdown(result: dict) -> str:
