@@ -29,7 +29,7 @@ def thresholds_at(log: list[dict], step: int, cfg: dict, depth: int) -> dict[str
     return {"merge_threshold": torch.tensor(line["merge"]), "prune_threshold": torch.tensor(line["prune"])}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+")
     p.add_argument("--steps", default="0,10,25,50,100,200,last")
@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--max-images", type=int)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--out", default="runs/convergence.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     results = []
     for run in args.runs:
         cfg = json.loads((Path(run) / "config.json").read_text())
