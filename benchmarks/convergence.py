@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import ltmp
 from ltmp import data as ldata
-from ltmp.thresholds import set_thresholds
+from ltmp.thresholds import atomic_write, set_thresholds
 from ltmp.train import create_model, evaluate
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{Path(run).name} step {step:4d} ({row['images']:6d} images): top-1 {row['top1']:.2f}%, "
                   f"r_FLOPs {row['r_flops']:.3f}, pruned/image {row['pruned_per_image']:.2f}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    atomic_write(args.out, lambda tmp: Path(tmp).write_text(json.dumps(results, indent=1)))
 
 
 if __name__ == "__main__":

@@ -83,15 +83,14 @@ def format_eval(r: dict) -> str:
 
 
 def _eval_set(model, data_dir: str, val_split: str, max_images: int | None = None):
-    """The model's eval transform over the eval split (val <-> test fallback), optionally its first images."""
-    import torch
-
+    """The model's eval transform over the eval split (val <-> test fallback), optionally ``max_images`` of it
+    spread evenly over the classes."""
     from . import data as ldata
 
     root = ldata.resolve_root(data_dir)
     _, eval_tf, _ = ldata.transforms_for(model, "none")
     dataset = ldata.ImageFolder(ldata.split_dir(root, val_split), eval_tf)
-    return torch.utils.data.Subset(dataset, range(min(max_images, len(dataset)))) if max_images else dataset
+    return ldata.spread_subset(dataset, max_images)
 
 
 def cmd_eval(args) -> int:
@@ -454,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed-rate methods: pick the per-layer r (or k) schedule closest to these GMACs")
     e.add_argument("--match", help="fixed-rate methods: match the GMACs of this eval JSON")
     e.add_argument("--compare", help="eval JSON of another run on the same images: paired McNemar test")
-    e.add_argument("--max-images", type=int, help="evaluate only the first N images")
+    e.add_argument("--max-images", type=int, help="evaluate N images spread evenly over the split")
     e.add_argument("--json", help="write the full result here")
     e.set_defaults(func=cmd_eval)
 
@@ -486,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reduction_args(a)
     a.add_argument("--data-dir", help="ImageFolder root or .tar.gz (default: the bundled CIFAR-10 subset)")
     a.add_argument("--val-split", default="test")
-    a.add_argument("--max-images", type=int, default=1000)
+    a.add_argument("--max-images", type=int, default=1000, help="images spread evenly over the split")
     a.add_argument("--batch-size", type=int, default=64)
     a.add_argument("--workers", type=int, default=2)
     a.add_argument("--kendall-k", type=int, default=8, help="tokens merged and pruned per layer for Kendall tau")
@@ -532,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--targets", default="0.7,0.5", help="comma-separated r_target values")
     d.add_argument("--epochs", type=float, default=2.0)
     d.add_argument("--batch-size", type=int, default=32)
-    d.add_argument("--max-images", type=int, help="evaluate only the first N images")
+    d.add_argument("--max-images", type=int, help="evaluate N images spread evenly over the split")
     d.add_argument("--workers", type=int, default=2)
     d.set_defaults(func=cmd_demo)
 

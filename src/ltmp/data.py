@@ -160,6 +160,18 @@ def transforms_for(model: torch.nn.Module, augment: str):
     return train_tf, eval_tf, cfg
 
 
+def spread_subset(dataset: Dataset, n: int | None) -> Dataset:
+    """``n`` images spread evenly over ``dataset`` (all of it if ``n`` is None or too large).
+
+    ImageFolder sorts by class, so the first ``n`` images would be one or two classes; every
+    ``len / n``-th image keeps the class balance and is the same on every run.
+    """
+    total = len(dataset)
+    if not n or n >= total:
+        return dataset
+    return torch.utils.data.Subset(dataset, [i * total // n for i in range(n)])
+
+
 def split_dir(root: Path, name: str) -> Path:
     """``root/name``; a missing ``val``/``test`` split falls back to the other (CIFAR-10 names its val split test)."""
     path = root / name

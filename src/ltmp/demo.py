@@ -78,9 +78,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     root = ldata.resolve_root(data_dir)
     _, eval_tf, data_cfg = ldata.transforms_for(model, "none")
     split = ldata.split_dir(root, cfg.val_split)
-    val_set = ldata.ImageFolder(split, eval_tf)
-    if cfg.max_val_images:
-        val_set = torch.utils.data.Subset(val_set, range(min(cfg.max_val_images, len(val_set))))
+    val_set = ldata.spread_subset(ldata.ImageFolder(split, eval_tf), cfg.max_val_images)
     loader = DataLoader(val_set, batch_size=128, num_workers=cfg.workers, collate_fn=ldata.collate_skip)
     one = next(iter(DataLoader(val_set, batch_size=1, collate_fn=ldata.collate_skip)))[0].to(device)
 
