@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         kinds = set(ltmp.thresholds.threshold_tensors(model))
         _, tf, _ = ldata.transforms_for(model, "none")
         ds = ldata.ImageFolder(ldata.split_dir(ldata.resolve_root(cfg["data_dir"]), args.val_split), tf)
-        if args.max_images:
-            ds = torch.utils.data.Subset(ds, range(min(args.max_images, len(ds))))
+        ds = ldata.spread_subset(ds, args.max_images)
         loader = DataLoader(ds, batch_size=args.batch_size, num_workers=2, collate_fn=ldata.collate_skip)
         for s in args.steps.split(","):
             step = last if s == "last" else min(int(s), last)
