@@ -78,6 +78,12 @@ class Jobs:
             return False
         return True
 
+    def _train(self, name: str, folder: Path, target: float, *extra: str) -> bool:
+        """``ltmp train`` into ``folder``, resuming what an earlier call left there."""
+        return self._do(name, ["train", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
+                               "--r-target", str(target), "--output", str(folder), *extra]
+                        + (["--resume"] if folder.exists() else []))
+
     def evaluate(self, name: str, *extra: str) -> dict | None:
         out = self.root / "test" / f"{name}.json"
         if not out.exists():
@@ -93,11 +99,9 @@ class Jobs:
         name = f"{method}-{importance}-r{target}-s{seed}-n{steps}"
         folder = self.root / "train" / name
         if not (self.root / "test" / f"{name}.json").exists():
-            if not (folder / "thresholds.safetensors").exists() and not self._do(f"train {name}", [
-                    "train", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
-                    "--r-target", str(target), "--method", method, "--importance", importance, "--seed", str(seed),
-                    "--steps", str(steps), "--output", str(folder), "--no-eval", *RECIPE]
-                    + (["--resume"] if folder.exists() else [])):
+            if not (folder / "thresholds.safetensors").exists() and not self._train(
+                    f"train {name}", folder, target, "--method", method, "--importance", importance, "--seed",
+                    str(seed), "--steps", str(steps), "--no-eval", *RECIPE):
                 self.pending.add(f"eval {name}")
                 return None
         result = self.evaluate(name, "--thresholds", str(folder / "thresholds.safetensors"))
@@ -111,10 +115,7 @@ class Jobs:
         if not (folder / "eval.json").exists():
             if (folder / "thresholds.safetensors").exists() and not self._late(f"recipe {name}-r{target}"):
                 shutil.rmtree(folder)  # stopped during its held-out evaluation: nothing to resume, train again
-            if not self._do(f"recipe {name}-r{target}", [
-                    "train", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
-                    "--r-target", str(target), "--steps", str(STEPS), "--output", str(folder), *COMMON, *extra]
-                    + (["--resume"] if folder.exists() else [])):
+            if not self._train(f"recipe {name}-r{target}", folder, target, "--steps", str(STEPS), *COMMON, *extra):
                 return None
         log = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines() if line]
         tail = [rec["r_flops"] for rec in log[-25:]]
@@ -184,6 +185,21 @@ def paired(a: dict | None, b: dict | None) -> str:
         return "pending"
     t = mcnemar(a["correct"], b["correct"])
     return f"{a['top1'] - b['top1']:+.2f} (p={t['p_value']:.2g})"
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (family-wise error over the whole list); statsmodels'
+    ``multipletests`` does the same but is not a dependency, scipy has only Benjamini-Hochberg."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * len(pvalues), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def rf(r: dict | None) -> str:
+    return "pending" if r is None else f"{r['r_flops']:.3f}"
 
 
 def verdict(a: dict | None, b: dict | None, paper: float) -> str:
@@ -274,20 +290,6 @@ def main() -> None:
         c5[(s, t)] = (lt, jobs.matched("tome", lt))
 
     write_doc(Path(args.doc), img, jobs, dense, c1, c2, c3, c4, c5, c6, pilots, long_run)
-
-
-def holm(pvalues: list[float]) -> list[float]:
-    """Holm-Bonferroni adjusted p-values (family-wise error over the whole list)."""
-    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
-    adjusted, running = [0.0] * len(pvalues), 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
-        adjusted[i] = running
-    return adjusted
-
-
-def rf(r: dict | None) -> str:
-    return "pending" if r is None else f"{r['r_flops']:.3f}"
 
 
 def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, pilots, long_run) -> None:
