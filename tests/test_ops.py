@@ -140,8 +140,8 @@ def test_topk_mask_selects_k_lowest_candidates_ties_by_position():
 def test_compact_keeps_order_and_zero_pads():
     keep = torch.tensor([[1, 0, 1, 1], [0, 1, 0, 0]], dtype=torch.float32)
     x = torch.arange(8, dtype=torch.float32).view(2, 4, 1) + 1
-    new_keep, (new_x, none), real = ops.compact(keep, x, None)
-    assert none is None and real == 4
+    new_keep, (new_x, none), counts = ops.compact(keep, x, None)
+    assert none is None and counts == [3, 1]
     assert new_keep.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert new_x[..., 0].tolist() == [[1, 3, 4], [6, 0, 0]]
 
@@ -160,3 +160,31 @@ def test_contiguous_best_match_equals_the_general_split(prefix):
     assert torch.allclose(score[is_a], score_c[is_a], atol=1e-12)
     assert torch.equal(dst[is_a & torch.isfinite(score)], dst_c[is_a & torch.isfinite(score)])
     assert torch.isinf(score_c[~is_a]).all()
+
+
+def _bucket_cost(groups, counts, overhead=0.03):
+    one = len(counts) * max(counts) ** 2
+    return sum(len(rows) * n ** 2 + overhead * one for rows, n in groups)
+
+
+def test_plan_buckets_groups_similar_counts():
+    assert ops.plan_buckets([10] * 8) is None  # no padding: one group
+    assert ops.plan_buckets([100, 10, 100, 10]) == [([1, 3], 10), ([0, 2], 100)]
+    assert ops.plan_buckets([100, 10, 100, 10], max_buckets=1) is None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_buckets_is_the_cheapest_split(seed):
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    counts = [rng.randint(5, 200) for _ in range(12)]
+    plan = ops.plan_buckets(counts, max_buckets=4)
+    groups = plan or [(list(range(12)), max(counts))]
+    assert sorted(i for rows, _ in groups for i in rows) == list(range(12))  # every image exactly once
+    assert all(n == max(counts[i] for i in rows) for rows, n in groups)
+    order = sorted(range(12), key=counts.__getitem__)
+    best = min(_bucket_cost([(order[a:b], counts[order[b - 1]]) for a, b in zip((0,) + cuts, cuts + (12,))], counts)
+               for g in range(4) for cuts in itertools.combinations(range(1, 12), g))
+    assert _bucket_cost(groups, counts) == pytest.approx(best)

@@ -48,7 +48,8 @@ def test_packed_token_wise_layers_equal_the_padded_batch(config, method, monkeyp
     x = images(6)
     calls = []
     real = timm_patch._tokenwise
-    monkeypatch.setattr(timm_patch, "_tokenwise", lambda fn, t, idx: calls.append(idx is not None) or real(fn, t, idx))
+    monkeypatch.setattr(timm_patch, "_tokenwise",
+                        lambda fn, t, idx, res=None: calls.append(idx is not None) or real(fn, t, idx, res))
     with torch.no_grad():
         packed = model(x)
         kept = ltmp.stats(model).kept
@@ -59,6 +60,28 @@ def test_packed_token_wise_layers_equal_the_padded_batch(config, method, monkeyp
         assert not any(calls)
     assert torch.equal(ltmp.stats(model).kept, kept)
     assert torch.allclose(packed, padded, atol=1e-12, rtol=0), (packed - padded).abs().max()
+
+
+@pytest.mark.parametrize("method", ["ltmp", "ltm"])
+def test_attention_in_buckets_equals_the_padded_batch(config, method, monkeypatch):
+    """Padded eval batches run attention per group of similar token counts; nothing else may change."""
+    from ltmp import timm_patch
+
+    model = patched(config, method, THRESHOLDS)
+    x = images(6)
+    plans = []
+    real = timm_patch.ops.plan_buckets
+    monkeypatch.setattr(timm_patch.ops, "plan_buckets", lambda c, m: plans.append(real(c, m)) or plans[-1])
+    with torch.no_grad():
+        grouped = model(x)
+        kept = ltmp.stats(model).kept
+        assert any(p is not None for p in plans), "some block must group the batch"
+        monkeypatch.setattr(timm_patch, "MAX_BUCKETS", 1)  # never group
+        plans.clear()
+        whole = model(x)
+        assert not any(p is not None for p in plans)
+    assert torch.equal(ltmp.stats(model).kept, kept)
+    assert torch.allclose(grouped, whole, atol=1e-12, rtol=0), (grouped - whole).abs().max()
 
 
 @pytest.mark.parametrize("method,options", ALL, ids=[m for m, _ in ALL])

@@ -71,14 +71,17 @@ def masked_attention(
     attn = (q * scale) @ k.transpose(-2, -1)  # (B, H, N, N)
     attn = attn.to(torch.promote_types(attn.dtype, torch.float32))  # fp16/bf16 -> fp32, float64 stays
     hard = keep is None or not (torch.is_grad_enabled() and keep.requires_grad)
-    if log_size is not None:
-        bias = log_size[:, None, None, :].to(attn.dtype)  # (B, 1, 1, N)
-        attn = attn.add_(bias) if hard and not attn.requires_grad else attn + bias  # (B, H, N, N)
-    if hard:  # no gradient to the mask: an additive -inf mask and one softmax (few passes over B x H x N x N)
-        if keep is not None:
-            attn = attn.masked_fill((keep <= 0.5)[:, None, None, :], float("-inf"))
+    if hard:  # no gradient to the mask: one additive bias (log size, -inf where masked) and one softmax
+        if log_size is not None or keep is not None:
+            bias = log_size.to(attn.dtype) if log_size is not None else attn.new_zeros(keep.shape)  # (B, N)
+            if keep is not None:
+                bias = bias.masked_fill(keep <= 0.5, float("-inf"))
+            bias = bias[:, None, None, :]  # (B, 1, 1, N)
+            attn = attn + bias if attn.requires_grad else attn.add_(bias)  # (B, H, N, N)
         probs = attn.softmax(dim=-1)  # (B, H, N, N)
     else:
+        if log_size is not None:
+            attn = attn + log_size[:, None, None, :].to(attn.dtype)  # (B, H, N, N)
         kept = (keep > 0.5)[:, None, None, :]  # (B, 1, 1, N)
         row_max = attn.masked_fill(~kept, float("-inf")).amax(dim=-1, keepdim=True).detach()  # (B, H, N, 1)
         z = attn - row_max  # (B, H, N, N)
@@ -109,9 +112,11 @@ def importance_scores(probs: Tensor, keep: Tensor | None, kind: str) -> Tensor:
         return probs[:, :, 0, :].sum(dim=1)  # (B, N)
     if keep is None:
         return probs.mean(dim=(1, 2))  # (B, N)
-    col = probs.mean(dim=1)  # (B, N, N)
-    rows = (keep > 0.5).to(col.dtype)  # (B, N)
-    return (rows[:, :, None] * col).sum(dim=1) / rows.sum(dim=1, keepdim=True)  # (B, N)
+    B, H, N, _ = probs.shape
+    rows = (keep > 0.5).to(probs.dtype)  # (B, N)
+    w = rows / (H * rows.sum(dim=1, keepdim=True))  # (B, N) weight of each query row
+    # one pass over the probabilities: (B, 1, H*N) @ (B, H*N, N)
+    return torch.bmm(w[:, None, :].repeat(1, 1, H), probs.reshape(B, H * N, N)).squeeze(1)  # (B, N)
 
 
 def bipartite_sets(keep: Tensor, num_prefix: int) -> tuple[Tensor, Tensor]:
@@ -265,7 +270,7 @@ def group_max(scores: Tensor, merge: Tensor, dst: Tensor) -> Tensor:
     return scores.scatter_reduce(1, dst, src, reduce="amax", include_self=True)
 
 
-def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor | None], int]:
+def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor | None], list[int]]:
     """Gather each image's surviving tokens to the front, in order, padded to the longest set in the batch.
 
     Padding is zero-filled. This is O(B N) (a cumulative sum and a scatter), without sorting.
@@ -275,13 +280,14 @@ def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor 
         tensors: Tensors of shape (B, N, ...) to compact alike (None passes through).
 
     Returns:
-        The new keep (B, N'), the compacted tensors (B, N', ...), and the number of surviving tokens in the batch.
+        The new keep (B, N'), the compacted tensors (B, N', ...), and each image's number of survivors (on the
+        host).
     """
     alive = keep > 0.5  # (B, N)
     B, N = alive.shape
     if B == 1:
         idx = alive[0].nonzero().squeeze(1)  # (N',)  the one host synchronisation compaction needs
-        return keep.new_ones(1, idx.shape[0]), [None if t is None else t[:, idx] for t in tensors], idx.shape[0]
+        return keep.new_ones(1, idx.shape[0]), [None if t is None else t[:, idx] for t in tensors], [idx.shape[0]]
     counts = alive.sum(dim=1)  # (B,)
     host = counts.tolist()  # the one host synchronisation compaction needs
     n_new = max(host)
@@ -295,4 +301,51 @@ def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor 
         index = pos.view(B, N, *([1] * (t.dim() - 2))).expand_as(t)
         out.append(t.new_zeros(shape).scatter_(1, index, t)[:, :n_new])
     new_keep = (torch.arange(n_new, device=keep.device)[None, :] < counts[:, None]).to(keep.dtype)  # (B, N')
-    return new_keep, out, sum(host)
+    return new_keep, out, host
+
+
+def plan_buckets(counts: list[int], max_buckets: int = 4, overhead: float = 0.03) -> list[tuple[list[int], int]] | None:
+    """Group the images of a padded batch by token count, so that attention runs on less padding.
+
+    Attention costs an image about ``n^2`` for the ``n`` tokens of its group's longest member; one group for the
+    whole batch (plain padding) costs ``B * max(counts)^2``. Images sorted by count are split into at most
+    ``max_buckets`` consecutive groups minimising ``sum(len(g) * max(g)^2)`` plus, per group, ``overhead`` times
+    the one-group cost (the extra gathers and kernel calls). Exact (dynamic programming over split points), on
+    the host, O(B^2 max_buckets) on the counts compaction already synchronised.
+
+    Args:
+        counts: Tokens of each image (survivors, prefix included).
+        max_buckets: Most groups to form.
+        overhead: Fixed cost of a group, as a fraction of the one-group cost.
+
+    Returns:
+        ``[(image indices, group length), ...]`` or None when one group is cheapest.
+    """
+    B = len(counts)
+    if B < 2 or max_buckets < 2:
+        return None
+    order = sorted(range(B), key=counts.__getitem__)
+    c = [counts[i] for i in order]  # ascending
+    one = B * c[-1] ** 2
+    fixed = overhead * one
+    inf = float("inf")
+    # best[g][j]: cheapest split of the first j sorted images into g groups; cut[g][j]: start of the last group
+    best = [[inf] * (B + 1) for _ in range(max_buckets + 1)]
+    cut = [[0] * (B + 1) for _ in range(max_buckets + 1)]
+    best[0][0] = 0.0
+    for g in range(1, max_buckets + 1):
+        for j in range(1, B + 1):
+            last = c[j - 1] ** 2
+            for i in range(g - 1, j):
+                cost = best[g - 1][i] + (j - i) * last + fixed
+                if cost < best[g][j]:
+                    best[g][j], cut[g][j] = cost, i
+    g = min(range(1, max_buckets + 1), key=lambda n: best[n][B])
+    if g == 1:
+        return None
+    groups, j = [], B
+    while g > 0:
+        i = cut[g][j]
+        groups.append((order[i:j], c[j - 1]))
+        j, g = i, g - 1
+    return groups[::-1]

@@ -75,7 +75,12 @@ class TokenState:
     source: Tensor | None = None  # (B, N, N0) patches covered by each token, if traced
     merged_once: bool = False  # sizes may differ from 1 (proportional attention needed)
     masked_once: bool = False  # some token is masked or padded (masked attention needed)
-    real: int | None = None  # eval: real (not padding) tokens in the batch, known on the host after compaction
+    counts: list[int] | None = None  # eval: each image's real (not padding) tokens, on the host after compaction
+
+    @property
+    def real(self) -> int | None:
+        """Real tokens in the batch (eval, after compaction)."""
+        return None if self.counts is None else sum(self.counts)
 
 
 @dataclasses.dataclass
@@ -185,9 +190,9 @@ def reduce_step(
     patch_keep = keep[:, P:]  # (B, N - P)
     result = StepResult(merged=merged, pruned=pruned, kept=(patch_keep > 0.5).sum(1), kept_frac=patch_keep.sum(1))
     if state.compact:  # eval: gather the survivors; the one host synchronisation of a block (the counts)
-        keep, (x, size, source), real = ops.compact(keep, x, size, source)
+        keep, (x, size, source), counts = ops.compact(keep, x, size, source)
         # without padding (e.g. equal counts) the next block needs no mask at all
-        state = dataclasses.replace(state, masked_once=real < keep.numel(), real=real)
+        state = dataclasses.replace(state, masked_once=sum(counts) < keep.numel(), counts=counts)
     return x, dataclasses.replace(state, size=size, keep=keep, source=source), result
 
 

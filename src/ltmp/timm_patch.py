@@ -265,17 +265,55 @@ def _packed_index(state: TokenState) -> Tensor | None:
     return alive.nonzero().squeeze(1)  # (T,)
 
 
-def _tokenwise(fn, x: Tensor, idx: Tensor | None) -> Tensor:
-    """``fn`` applied to the tokens of x (B, N, C), only at the packed indices ``idx`` if given; padding gets 0."""
+def _tokenwise(fn, x: Tensor, idx: Tensor | None, residual: Tensor | None = None) -> Tensor:
+    """``fn`` applied to the tokens of x (B, N, C), plus ``residual`` (B, N, C') if given; only at the packed
+    indices ``idx`` if given (padding gets 0, or keeps its residual)."""
     if idx is None:
-        return fn(x)
+        return fn(x) if residual is None else residual + fn(x)
     B, N, _ = x.shape
     out = fn(x.reshape(B * N, -1)[idx])  # (T, C')
+    if residual is not None:  # one pass: the residual stream with the real tokens' outputs added in
+        return residual.reshape(B * N, -1).index_add(0, idx, out.to(residual.dtype)).view(B, N, -1)  # (B, N, C')
     return out.new_zeros(B * N, out.shape[-1]).index_copy_(0, idx, out).view(B, N, -1)  # (B, N, C')
 
 
 def _identity(t: Tensor) -> Tensor:
     return t
+
+
+#: Padded eval batches run attention in at most this many groups of similar token counts (1: never group).
+MAX_BUCKETS = 4
+
+
+def _buckets(state: TokenState) -> list[tuple[list[int], int]] | None:
+    """Groups of a padded eval batch for attention (:func:`ltmp.ops.plan_buckets`), or None to run it whole."""
+    if not (state.compact and state.masked_once) or state.counts is None or is_exporting() \
+            or torch.is_grad_enabled():
+        return None
+    return ops.plan_buckets(state.counts, MAX_BUCKETS)
+
+
+def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: Tensor | None, cfg: ReduceConfig):
+    """Attention of eq. 5-7 on (B, H, N, D) q, k, v: the output (B, N, C) and, if the method prunes, the
+    importance scores (B, N) of eq. 16/17, taken while the (B, H, N, N) probabilities are still in cache."""
+    B, _, N, _ = q.shape
+    importance = None
+    if cfg.needs_importance or not attn.fused_attn or (keep is not None and keep.requires_grad) \
+            or is_exporting():  # SDPA's mask broadcasting would guard on the symbolic token count
+        o, probs = ops.masked_attention(q, k, v, attn.scale, keep, ls, attn.attn_drop)  # (B, H, N, D)
+        if cfg.needs_importance:
+            importance = ops.importance_scores(probs, keep, cfg.importance)  # (B, N)
+        del probs
+    else:  # hard masks only: a fused kernel with an additive bias does the same
+        bias = None
+        if keep is not None or ls is not None:
+            bias = ls if ls is not None else torch.zeros_like(keep)
+            if keep is not None:
+                bias = bias.masked_fill(keep <= 0.5, float("-inf"))
+            bias = bias[:, None, None, :].to(q.dtype)  # (B, 1, 1, N)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                           dropout_p=attn.attn_drop.p if attn.training else 0.0)
+    return o.transpose(1, 2).reshape(B, N, attn.attn_dim), importance  # (B, N, C), (B, N) or None
 
 
 def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
@@ -295,34 +333,31 @@ def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
     q, k = attn.q_norm(q), attn.k_norm(k)
     keep = state.keep if state.masked_once else None
     ls = log_size(state)
-    importance = None
-    if cfg.needs_importance or not attn.fused_attn or (keep is not None and keep.requires_grad) \
-            or is_exporting():  # SDPA's mask broadcasting would guard on the symbolic token count
-        o, probs = ops.masked_attention(q, k, v, attn.scale, keep, ls, attn.attn_drop)  # (B, H, N, D)
-        if cfg.needs_importance:  # while the (B, H, N, N) probabilities are still in cache
-            importance = ops.importance_scores(probs, keep, cfg.importance)  # (B, N)
-        del probs
-    else:  # hard masks only: a fused kernel with an additive bias does the same
-        bias = None
-        if keep is not None or ls is not None:
-            bias = ls if ls is not None else torch.zeros_like(state.size)
-            if keep is not None:
-                bias = bias.masked_fill(keep <= 0.5, float("-inf"))
-            bias = bias[:, None, None, :].to(q.dtype)  # (B, 1, 1, N)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
-                                           dropout_p=attn.attn_drop.p if attn.training else 0.0)
-    o = o.transpose(1, 2).reshape(B, N, attn.attn_dim)  # (B, N, C)
+    buckets = _buckets(state)
+    if buckets is None:
+        o, importance = _attention(attn, q, k, v, keep, ls, cfg)  # (B, N, C), (B, N) or None
+    else:  # padded eval batch: attention per group of similar token counts, on that group's longest only
+        o = importance = None
+        for rows, n in buckets:
+            sel = torch.tensor(rows, device=q.device)  # (b,)
+            kg = None if all(state.counts[i] == n for i in rows) else keep[sel, :n]  # (b, n); None: no padding
+            og, ig = _attention(attn, q[sel, :, :n], k[sel, :, :n], v[sel, :, :n], kg,
+                                None if ls is None else ls[sel, :n], cfg)  # (b, n, C), (b, n)
+            if o is None:  # in the dtypes attention gives (autocast may change them between groups)
+                o = og.new_zeros(B, N, og.shape[-1])  # (B, N, C)
+                importance = None if ig is None else ig.new_zeros(B, N)  # (B, N)
+            o[sel, :n] = og.to(o.dtype)
+            if ig is not None:
+                importance[sel, :n] = ig.to(importance.dtype)
     norm = getattr(attn, "norm", None) or _identity
     if gate is not None:
-        o = attn.proj_drop(attn.proj(norm(o) * gate))
+        x = x + blk.drop_path1(blk.ls1(attn.proj_drop(attn.proj(norm(o) * gate))))  # (B, N, C)
     else:
-        o = _tokenwise(lambda t: attn.proj_drop(attn.proj(norm(t))), o, idx)  # (B, N, C)
-    x = x + blk.drop_path1(blk.ls1(o))  # (B, N, C)
+        x = _tokenwise(lambda t: blk.drop_path1(blk.ls1(attn.proj_drop(attn.proj(norm(t))))), o, idx, x)  # (B, N, C)
     metric = k.mean(1) if cfg.needs_metric else None  # (B, N, D)
     x, state, step = reduce_step(x, state, cfg, layer, importance, metric, getattr(blk, "merge_threshold", None),
                                  getattr(blk, "prune_threshold", None))
-    mlp = _tokenwise(lambda t: blk.ls2(blk.mlp(blk.norm2(t))), x, _packed_index(state))  # (B, N', C)
-    x = x + blk.drop_path2(mlp)
+    x = _tokenwise(lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))), x, _packed_index(state), x)  # (B, N', C)
     return x, state, step
 
 
