@@ -45,6 +45,7 @@ from ltmp import data as ldata
 from ltmp.bench import _sync, compare_models
 from ltmp.demo import BUNDLED_DATA
 from ltmp.thresholds import set_thresholds, threshold_tensors
+from ltmp.timm_patch import forward_cut
 from ltmp.train import calibrate, pick_device, rate_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +78,24 @@ def gmacs_of(model, spec, x: torch.Tensor) -> tuple[float, float, list[int]]:
     rec = ltmp.stats(model)
     return float(ltmp.gmacs(spec, rec.kept.cpu()).mean()), ltmp.gmacs_executed(spec, rec.padded), \
         rec.kept[:, -1].tolist()
+
+
+class Cut(torch.nn.Module):
+    """The zero-overhead bound at batch 1: the dense model on the token counts LTMP keeps for each image, tokens
+    simply cut off after each block's attention (``ltmp.timm_patch.forward_cut``), no reduction step."""
+
+    def __init__(self, dense: torch.nn.Module, counts: dict[int, list[int]]):
+        super().__init__()
+        self.dense, self.counts = dense, counts  # counts: input data_ptr -> tokens leaving each block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return forward_cut(self.dense, x, self.counts[x.data_ptr()])
+
+
+def kept_counts(model, spec, x: torch.Tensor) -> list[int]:
+    """Tokens (prefix included) leaving each block for one image."""
+    model(x)
+    return [int(k) + spec.num_prefix for k in ltmp.stats(model).kept[0]]
 
 
 def saved_bytes(model, x: torch.Tensor) -> dict:
@@ -147,13 +166,15 @@ def run_model(name: str, args, device) -> dict:
             # the baselines match LTMP's mean GMACs over these images (and, batched, its executed GMACs)
             ms = {"dense": dense, "ltmp": ltmp_m.eval(), "tome": matched("tome", g),
                   "topk-prune": matched("topk-prune", g)}
-            if bs != "1":
+            if bs == "1":
+                ms["bound"] = Cut(dense, {s.data_ptr(): kept_counts(ltmp_m, spec, s) for s in singles})
+            else:
                 ms["tome@exec"] = matched("tome", gb_exec)
             t = compare_models(ms, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
             res = {}
             for k, m in ms.items():
                 if bs == "1":
-                    g = g1 if k == "ltmp" else statistics.mean(gmacs_of(m, spec, s)[0] for s in singles)
+                    g = g1 if k in ("ltmp", "bound") else statistics.mean(gmacs_of(m, spec, s)[0] for s in singles)
                     g_exec = g
                 else:
                     g, g_exec, _ = gmacs_of(m, spec, x)
@@ -198,7 +219,9 @@ def markdown(result: dict) -> str:
              f"`{result['command']}`. `ms` is one timed repetition: 8 different images one at a time (batch 1), "
              f"or one batch of 32; medians over interleaved rounds. Time and GMACs ratios are to the dense model "
              f"in the same rounds; baselines are matched to LTMP's mean GMACs, `tome@exec` to its executed "
-             f"(padded) GMACs.", ""]
+             f"(padded) GMACs. `bound` (batch 1): the dense model on LTMP's per-image token counts with "
+             f"tokens simply cut off after each block's attention and no reduction step, the time those counts "
+             f"cost with zero overhead.", ""]
     for m in result["models"]:
         lines += [f"### {m['model']} (dense {m['gmacs_dense']:.4f} GMACs)", "",
                   "| r_target | method | batch | ms | time ratio | GMACs ratio | executed GMACs ratio |",

@@ -350,3 +350,15 @@ def test_batched_eval_synchronises_once_per_block(method, options, monkeypatch):
     assert len(calls) <= len(model.blocks), calls
     assert calls.count("tolist") == len(model.blocks)  # the counts of each compaction (the check sees them)
     assert max(ltmp.stats(model).padded[1:]) < 65  # tokens were really removed
+
+
+def test_forward_cut_is_the_dense_model_when_nothing_is_cut(config):
+    from ltmp.timm_patch import forward_cut
+
+    model = make_model(config).eval()
+    x = images(2)
+    n = model.patch_embed.num_patches + model.num_prefix_tokens
+    with torch.no_grad():
+        assert torch.allclose(forward_cut(model, x, [n] * len(model.blocks)), model(x), atol=1e-12, rtol=0)
+        cut = forward_cut(model, x, [n - 4 * (i + 1) for i in range(len(model.blocks))])
+    assert cut.shape == (2, model.num_classes)

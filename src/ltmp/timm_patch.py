@@ -361,6 +361,25 @@ def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
     return x, state, step
 
 
+@torch.no_grad()
+def forward_cut(model: nn.Module, x: Tensor, counts: Sequence[int]) -> Tensor:
+    """An unpatched timm ViT whose tokens are simply cut to ``counts[l]`` after block l's attention: the same
+    token counts as a reduction, with no reduction step. Not a useful model (it drops the last tokens); it times
+    what the counts alone cost, the zero-overhead bound of a reduced model (``benchmarks/speed.py``).
+
+    Args:
+        model: An unpatched timm VisionTransformer.
+        x: (B, 3, H, W) images.
+        counts: Tokens (prefix included) leaving each block.
+    """
+    x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))  # (B, N, C)
+    for blk, n in zip(model.blocks, counts):
+        x = x + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(x))))  # (B, N, C)
+        x = x[:, :n]  # (B, n, C)
+        x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
+    return model.forward_head(model.norm(x))
+
+
 def vit_spec(model: nn.Module, count_norm: bool = True) -> ViTSpec:
     """Per-token and per-pair multiply-accumulate counts of a timm ViT, in fvcore's convention.
 
