@@ -162,15 +162,15 @@ def test_contiguous_best_match_equals_the_general_split(prefix):
     assert torch.isinf(score_c[~is_a]).all()
 
 
-def _bucket_cost(groups, counts, overhead=0.03):
-    one = len(counts) * max(counts) ** 2
-    return sum(len(rows) * n ** 2 + overhead * one for rows, n in groups)
+def _bucket_cost(groups, pair, fixed):
+    return sum(len(rows) * pair * n ** 2 + fixed for rows, n in groups)
 
 
 def test_plan_buckets_groups_similar_counts():
-    assert ops.plan_buckets([10] * 8) is None  # no padding: one group
-    assert ops.plan_buckets([100, 10, 100, 10]) == [([1, 3], 10), ([0, 2], 100)]
-    assert ops.plan_buckets([100, 10, 100, 10], max_buckets=1) is None
+    assert ops.plan_buckets([10] * 8, 1.0, 1.0) is None  # no padding: one group
+    assert ops.plan_buckets([100, 10, 100, 10], 1.0, 100.0) == [([1, 3], 10), ([0, 2], 100)]
+    assert ops.plan_buckets([100, 10, 100, 10], 1.0, 100.0, max_buckets=1) is None
+    assert ops.plan_buckets([100, 10, 100, 10], 1.0, 2e4) is None  # a group costs more than it saves
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -180,11 +180,13 @@ def test_plan_buckets_is_the_cheapest_split(seed):
 
     rng = random.Random(seed)
     counts = [rng.randint(5, 200) for _ in range(12)]
-    plan = ops.plan_buckets(counts, max_buckets=4)
+    pair, fixed = 2.0, rng.choice([1e3, 1e4, 1e5])
+    plan = ops.plan_buckets(counts, pair, fixed, max_buckets=4)
     groups = plan or [(list(range(12)), max(counts))]
     assert sorted(i for rows, _ in groups for i in rows) == list(range(12))  # every image exactly once
     assert all(n == max(counts[i] for i in rows) for rows, n in groups)
     order = sorted(range(12), key=counts.__getitem__)
-    best = min(_bucket_cost([(order[a:b], counts[order[b - 1]]) for a, b in zip((0,) + cuts, cuts + (12,))], counts)
+    best = min(_bucket_cost([(order[a:b], counts[order[b - 1]]) for a, b in zip((0,) + cuts, cuts + (12,))],
+                            pair, fixed)
                for g in range(4) for cuts in itertools.combinations(range(1, 12), g))
-    assert _bucket_cost(groups, counts) == pytest.approx(best)
+    assert _bucket_cost(groups, pair, fixed) == pytest.approx(best)

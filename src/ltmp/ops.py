@@ -304,19 +304,21 @@ def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor 
     return new_keep, out, host
 
 
-def plan_buckets(counts: list[int], max_buckets: int = 4, overhead: float = 0.03) -> list[tuple[list[int], int]] | None:
+def plan_buckets(counts: list[int], pair_cost: float, group_cost: float,
+                 max_buckets: int = 4) -> list[tuple[list[int], int]] | None:
     """Group the images of a padded batch by token count, so that attention runs on less padding.
 
-    Attention costs an image about ``n^2`` for the ``n`` tokens of its group's longest member; one group for the
-    whole batch (plain padding) costs ``B * max(counts)^2``. Images sorted by count are split into at most
-    ``max_buckets`` consecutive groups minimising ``sum(len(g) * max(g)^2)`` plus, per group, ``overhead`` times
-    the one-group cost (the extra gathers and kernel calls). Exact (dynamic programming over split points), on
-    the host, O(B^2 max_buckets) on the counts compaction already synchronised.
+    Attention costs an image ``pair_cost * n^2`` for the ``n`` tokens of its group's longest member, and each
+    group a fixed ``group_cost`` (its gathers and kernel calls); one group for the whole batch is plain padding.
+    Images sorted by count are split into at most ``max_buckets`` consecutive groups of least total cost. Exact
+    (dynamic programming over split points), on the host, O(B^2 max_buckets) on the counts compaction already
+    synchronised.
 
     Args:
         counts: Tokens of each image (survivors, prefix included).
+        pair_cost: Cost of one (query, key) pair, e.g. its multiply-accumulates.
+        group_cost: Fixed cost of one more group, in the same unit.
         max_buckets: Most groups to form.
-        overhead: Fixed cost of a group, as a fraction of the one-group cost.
 
     Returns:
         ``[(image indices, group length), ...]`` or None when one group is cheapest.
@@ -326,8 +328,6 @@ def plan_buckets(counts: list[int], max_buckets: int = 4, overhead: float = 0.03
         return None
     order = sorted(range(B), key=counts.__getitem__)
     c = [counts[i] for i in order]  # ascending
-    one = B * c[-1] ** 2
-    fixed = overhead * one
     inf = float("inf")
     # best[g][j]: cheapest split of the first j sorted images into g groups; cut[g][j]: start of the last group
     best = [[inf] * (B + 1) for _ in range(max_buckets + 1)]
@@ -335,9 +335,9 @@ def plan_buckets(counts: list[int], max_buckets: int = 4, overhead: float = 0.03
     best[0][0] = 0.0
     for g in range(1, max_buckets + 1):
         for j in range(1, B + 1):
-            last = c[j - 1] ** 2
+            last = pair_cost * c[j - 1] ** 2
             for i in range(g - 1, j):
-                cost = best[g - 1][i] + (j - i) * last + fixed
+                cost = best[g - 1][i] + (j - i) * last + group_cost
                 if cost < best[g][j]:
                     best[g][j], cut[g][j] = cost, i
     g = min(range(1, max_buckets + 1), key=lambda n: best[n][B])

@@ -252,12 +252,12 @@ def _head(model, x: Tensor, state: TokenState) -> Tensor:
 PACK_ABOVE = 0.05
 
 
-def _packed_index(state: TokenState) -> Tensor | None:
+def _packed_index(state: TokenState, always: bool = False) -> Tensor | None:
     """Flat indices of the real tokens of a padded eval batch (B * N -> T), or None when there is no padding to
-    skip. Attention still runs on the padded (B, N) layout; packing makes the token-wise layers cost the batch's
-    *mean* token count instead of its longest."""
+    skip (or too little, unless ``always``). Packing makes the token-wise layers cost the batch's *mean* token
+    count instead of its longest."""
     if not (state.compact and state.masked_once) or state.real is None \
-            or state.real >= (1 - PACK_ABOVE) * state.keep.numel():
+            or (not always and state.real >= (1 - PACK_ABOVE) * state.keep.numel()):
         return None
     alive = (state.keep > 0.5).flatten()  # (B * N,)
     if hasattr(torch, "nonzero_static"):  # the count is known on the host: no synchronisation
@@ -283,14 +283,18 @@ def _identity(t: Tensor) -> Tensor:
 
 #: Padded eval batches run attention in at most this many groups of similar token counts (1: never group).
 MAX_BUCKETS = 4
+#: Fixed cost of one more attention group, in multiply-accumulates, per device type; a device not listed never
+#: groups. CPU: about 40 operator calls of ~6 us each, at the ~50 GMAC/s attention reaches on the 2-core CPU
+#: of docs/performance.md (tuned there with benchmarks/speed.py). Not measured on GPUs yet.
+GROUP_MACS = {"cpu": 12e6}
 
 
-def _buckets(state: TokenState) -> list[tuple[list[int], int]] | None:
+def _buckets(state: TokenState, attn) -> list[tuple[list[int], int]] | None:
     """Groups of a padded eval batch for attention (:func:`ltmp.ops.plan_buckets`), or None to run it whole."""
     if not (state.compact and state.masked_once) or state.counts is None or is_exporting() \
-            or torch.is_grad_enabled():
+            or torch.is_grad_enabled() or state.keep.device.type not in GROUP_MACS:
         return None
-    return ops.plan_buckets(state.counts, MAX_BUCKETS)
+    return ops.plan_buckets(state.counts, 2.0 * attn.attn_dim, GROUP_MACS[state.keep.device.type], MAX_BUCKETS)
 
 
 def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: Tensor | None, cfg: ReduceConfig):
@@ -316,8 +320,73 @@ def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: T
     return o.transpose(1, 2).reshape(B, N, attn.attn_dim), importance  # (B, N, C), (B, N) or None
 
 
+def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buckets) -> tuple:
+    """The attention half of a block for a padded eval batch, run per group of similar token counts.
+
+    Token-wise layers run packed (the T real tokens); each group gathers its q, k, v straight from the packed
+    qkv, padded only to the group's longest image (padding rows repeat a real token and are masked), and its
+    output goes straight back to the packed rows. Same result as :func:`_attention` on the whole padded batch.
+
+    Returns:
+        x after the attention residual (B, N, C), importance (B, N) or None, and the merge metric (B, N, D).
+    """
+    attn = blk.attn
+    B, N, C = x.shape
+    H, D = attn.num_heads, attn.head_dim
+    dev = x.device
+    idx = _packed_index(state, always=True)  # (T,)
+    T = idx.shape[0]
+    qkv = attn.qkv(blk.norm1(x.reshape(B * N, C)[idx]))  # (T, 3 * H * D)
+    ls = log_size(state)
+    starts = [0]
+    for c in state.counts[:-1]:
+        starts.append(starts[-1] + c)
+    o = qkv.new_empty(T + 1, H * D)  # (T + 1, H * D); row T takes the padding rows' outputs
+    importance, metric = None, qkv.new_zeros(B, N, D)  # (B, N), (B, N, D)
+    for rows, n in buckets:
+        sel = torch.tensor(rows, device=dev)  # (b,)
+        count = torch.tensor([state.counts[i] for i in rows], device=dev)  # (b,)
+        start = torch.tensor([starts[i] for i in rows], device=dev)  # (b,)
+        pos = torch.arange(n, device=dev)  # (n,)
+        real = pos < count[:, None]  # (b, n)
+        at = start[:, None] + torch.minimum(pos, count[:, None] - 1)  # (b, n) packed row of each position
+        g = qkv[at].view(len(rows), n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
+        q, k, v = g.unbind(0)  # (b, H, n, D) each
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        padded = not all(state.counts[i] == n for i in rows)
+        og, ig = _attention(attn, q, k, v, real.to(state.keep.dtype) if padded else None,
+                            None if ls is None else ls[sel, :n], cfg)  # (b, n, H * D), (b, n)
+        o.index_copy_(0, torch.where(real, at, T).flatten(), og.reshape(-1, H * D).to(o.dtype))
+        if ig is not None:
+            if importance is None:
+                importance = ig.new_zeros(B, N)  # (B, N)
+            importance[sel, :n] = ig.to(importance.dtype)
+        if cfg.needs_metric:
+            metric[sel, :n] = k.mean(1).to(metric.dtype)  # (b, n, D)
+    norm = getattr(attn, "norm", None) or _identity
+    out = blk.drop_path1(blk.ls1(attn.proj_drop(attn.proj(norm(o[:T])))))  # (T, C)
+    x = x.reshape(B * N, C).index_add(0, idx, out.to(x.dtype)).view(B, N, C)  # (B, N, C)
+    return x, importance, metric if cfg.needs_metric else None
+
+
 def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
     """timm ``Block.forward`` with the reduction step between attention and MLP (paper Figure 2)."""
+    attn = blk.attn
+    B, N, _ = x.shape
+    buckets = _buckets(state, attn) if getattr(attn, "gate", None) is None else None
+    if buckets is not None:
+        x, importance, metric = _grouped_attention(blk, x, state, cfg, buckets)
+    else:
+        x, importance, metric = _whole_attention(blk, x, state, cfg)
+    x, state, step = reduce_step(x, state, cfg, layer, importance, metric, getattr(blk, "merge_threshold", None),
+                                 getattr(blk, "prune_threshold", None))
+    x = _tokenwise(lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))), x, _packed_index(state), x)  # (B, N', C)
+    return x, state, step
+
+
+def _whole_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig) -> tuple:
+    """The attention half of a block on the whole (padded) batch: x after the attention residual (B, N, C), the
+    importance (B, N) or None, and the merge metric (B, N, D) or None."""
     attn = blk.attn
     B, N, _ = x.shape
     gate = None
@@ -332,33 +401,13 @@ def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
     q, k, v = qkv.unbind(0)  # (B, H, N, D) each
     q, k = attn.q_norm(q), attn.k_norm(k)
     keep = state.keep if state.masked_once else None
-    ls = log_size(state)
-    buckets = _buckets(state)
-    if buckets is None:
-        o, importance = _attention(attn, q, k, v, keep, ls, cfg)  # (B, N, C), (B, N) or None
-    else:  # padded eval batch: attention per group of similar token counts, on that group's longest only
-        o = importance = None
-        for rows, n in buckets:
-            sel = torch.tensor(rows, device=q.device)  # (b,)
-            kg = None if all(state.counts[i] == n for i in rows) else keep[sel, :n]  # (b, n); None: no padding
-            og, ig = _attention(attn, q[sel, :, :n], k[sel, :, :n], v[sel, :, :n], kg,
-                                None if ls is None else ls[sel, :n], cfg)  # (b, n, C), (b, n)
-            if o is None:  # in the dtypes attention gives (autocast may change them between groups)
-                o = og.new_zeros(B, N, og.shape[-1])  # (B, N, C)
-                importance = None if ig is None else ig.new_zeros(B, N)  # (B, N)
-            o[sel, :n] = og.to(o.dtype)
-            if ig is not None:
-                importance[sel, :n] = ig.to(importance.dtype)
+    o, importance = _attention(attn, q, k, v, keep, log_size(state), cfg)  # (B, N, C), (B, N) or None
     norm = getattr(attn, "norm", None) or _identity
     if gate is not None:
         x = x + blk.drop_path1(blk.ls1(attn.proj_drop(attn.proj(norm(o) * gate))))  # (B, N, C)
     else:
         x = _tokenwise(lambda t: blk.drop_path1(blk.ls1(attn.proj_drop(attn.proj(norm(t))))), o, idx, x)  # (B, N, C)
-    metric = k.mean(1) if cfg.needs_metric else None  # (B, N, D)
-    x, state, step = reduce_step(x, state, cfg, layer, importance, metric, getattr(blk, "merge_threshold", None),
-                                 getattr(blk, "prune_threshold", None))
-    x = _tokenwise(lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))), x, _packed_index(state), x)  # (B, N', C)
-    return x, state, step
+    return x, importance, k.mean(1) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
 
 
 @torch.no_grad()
