@@ -190,3 +190,31 @@ def test_plan_buckets_is_the_cheapest_split(seed):
                             pair, fixed)
                for g in range(4) for cuts in itertools.combinations(range(1, 12), g))
     assert _bucket_cost(groups, pair, fixed) == pytest.approx(best)
+
+
+def test_masked_softmax_backward_equals_autograd_of_eq6():
+    """The hand-written backward of MaskedSoftmax against autograd of the formula, for logits and mask."""
+    torch.manual_seed(0)
+    attn = torch.randn(2, 3, 7, 7, dtype=torch.float64) * 3
+    hard = (torch.rand(2, 7) > 0.4).double()
+    hard[:, 0] = 1
+    soft = torch.rand(2, 7, dtype=torch.float64)
+    g = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+
+    def grads(fn):
+        a = attn.clone().requires_grad_(True)
+        s = soft.clone().requires_grad_(True)
+        keep = hard + (s - s.detach())
+        out = fn(a, keep)
+        (out * g).sum().backward()
+        return out.detach(), a.grad, s.grad
+
+    def formula(a, keep):  # eq. 6 with the kept-key row max and clamped removed exponents, by autograd
+        kept = (keep > 0.5)[:, None, None, :]
+        z = a - a.masked_fill(~kept, float("-inf")).amax(-1, keepdim=True).detach()
+        e = torch.where(kept, z, z.clamp(max=0.0)).exp() * keep[:, None, None, :]
+        return e / e.sum(-1, keepdim=True)
+
+    for ours, ref in zip(grads(ops.MaskedSoftmax.apply), grads(formula)):
+        assert torch.allclose(ours, ref, atol=1e-12, rtol=0), (ours - ref).abs().max()
+    assert grads(ops.MaskedSoftmax.apply)[2][hard == 0].abs().min() > 0  # removed keys' masks get gradient

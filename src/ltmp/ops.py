@@ -82,15 +82,42 @@ def masked_attention(
     else:
         if log_size is not None:
             attn = attn + log_size[:, None, None, :].to(attn.dtype)  # (B, H, N, N)
-        kept = (keep > 0.5)[:, None, None, :]  # (B, 1, 1, N)
-        row_max = attn.masked_fill(~kept, float("-inf")).amax(dim=-1, keepdim=True).detach()  # (B, H, N, 1)
-        z = attn - row_max  # (B, H, N, N)
-        z = torch.where(kept, z, z.clamp(max=0.0))
-        e = z.exp() * keep[:, None, None, :].to(z.dtype)  # (B, H, N, N)
-        probs = e / e.sum(dim=-1, keepdim=True)  # (B, H, N, N)
+        probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype))  # (B, H, N, N)
     p = dropout(probs) if dropout is not None else probs
     out = p.to(v.dtype) @ v  # (B, H, N, D)
     return out, probs
+
+
+class MaskedSoftmax(torch.autograd.Function):
+    """The masked softmax of eq. 6, ``S_ij = a_ij m_j`` with ``a_ij = exp(A_ij) / sum_k exp(A_ik) m_k``, with a
+    hand-written backward (autograd of the formula keeps about ten (B, H, N, N) intermediates; this keeps two):
+
+    - ``dL/dA_ij = S_ij (g_ij - sum_k g_ik S_ik)`` (the softmax backward),
+    - ``dL/dm_j = sum_(h, i) a_ij (g_ij - sum_k g_ik S_ik)`` (the mask's gradient, also for removed keys).
+
+    The row max is taken over kept keys only and removed keys' exponents are clamped at it, so removed keys can
+    neither overflow nor underflow the kept ones; their ``a`` (which only feeds their mask's gradient) is bounded.
+    """
+
+    @staticmethod
+    def forward(ctx, attn: Tensor, keep: Tensor) -> Tensor:  # (B, H, N, N), (B, N) straight-through 0/1 values
+        kept = (keep > 0.5)[:, None, None, :]  # (B, 1, 1, N)
+        row_max = attn.masked_fill(~kept, float("-inf")).amax(dim=-1, keepdim=True)  # (B, H, N, 1)
+        a = (attn - row_max).clamp_(max=0.0).exp_()  # (B, H, N, N); kept keys are <= 0 already
+        m = keep[:, None, None, :]  # (B, 1, 1, N)
+        probs = a * m  # (B, H, N, N)
+        total = probs.sum(dim=-1, keepdim=True)  # (B, H, N, 1)
+        probs.div_(total)
+        a.div_(total)
+        ctx.save_for_backward(probs, a)
+        return probs
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        probs, a = ctx.saved_tensors
+        d = g - (g * probs).sum(dim=-1, keepdim=True)  # (B, H, N, N)
+        grad_keep = (a * d).sum(dim=(1, 2)) if ctx.needs_input_grad[1] else None  # (B, N)
+        return (probs * d if ctx.needs_input_grad[0] else None), grad_keep
 
 
 def importance_scores(probs: Tensor, keep: Tensor | None, kind: str) -> Tensor:
