@@ -1,0 +1,77 @@
+"""Does running attention in groups of similar token counts pay off? Batched eval, one run, interleaved rounds.
+
+For each model and r_target (LTMP thresholds calibrated as in benchmarks/speed.py), times at batch 32: the dense
+model, LTMP with attention on the whole padded batch (``timm_patch.MAX_BUCKETS = 1``), LTMP with attention in up
+to 4 groups (the default; ``ltmp.ops.plan_buckets``), and ToMe at LTMP's mean GMACs. Prints time ratios to dense
+and the groups planned per block.
+
+    python benchmarks/grouping.py                   # deit-s and cifar, r_target 0.7 and 0.5 (about 5 minutes)
+    python benchmarks/grouping.py --models deit-s --targets 0.5
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+import ltmp
+from ltmp import ops, timm_patch
+from ltmp.bench import compare_models
+from ltmp.train import calibrate, rate_schedule
+from speed import load_images, load_model
+
+
+class Grouping(torch.nn.Module):
+    """Runs the patched model with at most ``max_buckets`` attention groups."""
+
+    def __init__(self, model: torch.nn.Module, max_buckets: int):
+        super().__init__()
+        self.model, self.max_buckets = model, max_buckets
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        timm_patch.MAX_BUCKETS = self.max_buckets
+        return self.model(x)
+
+
+@torch.no_grad()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="deit-s,cifar")
+    p.add_argument("--targets", default="0.7,0.5")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=8)
+    args = p.parse_args()
+    default = timm_patch.MAX_BUCKETS
+    for name in args.models.split(","):
+        dense = load_model(name)
+        spec = ltmp.vit_spec(dense)
+        x = load_images(dense, "test", args.batch_size)
+        for target in (float(t) for t in args.targets.split(",")):
+            red = ltmp.patch(copy.deepcopy(dense), "ltmp")
+            calibrate(red, load_images(dense, "train", 64), target, mode="quantile", iters=12)
+            red.eval()
+            plans = []
+            real = ops.plan_buckets
+            ops.plan_buckets = lambda *a: plans.append(real(*a)) or plans[-1]
+            try:
+                red(x)
+            finally:
+                ops.plan_buckets = real
+            rec = ltmp.stats(red)
+            g = float(ltmp.gmacs(spec, rec.kept).mean())
+            tome = ltmp.patch(copy.deepcopy(dense), "tome", r=rate_schedule(spec, g)).eval()
+            models = {"dense": dense, "ltmp, whole batch": Grouping(red, 1), f"ltmp, <= {default} groups":
+                      Grouping(red, default), "tome (mean GMACs)": tome}
+            t = compare_models(models, [x], warmup=1, reps=1, rounds=args.rounds)
+            timm_patch.MAX_BUCKETS = default
+            groups = [0 if p is None else len(p) for p in plans]
+            print(f"== {name} r_target {target}: GMACs ratio {g / ltmp.dense_gmacs(spec):.3f}, executed "
+                  f"{ltmp.gmacs_executed(spec, rec.padded) / ltmp.dense_gmacs(spec):.3f}; groups per block "
+                  f"{groups}")
+            for k, v in t.items():
+                print(f"   {k:<20} {1000 * v['median']:8.1f} ms  time ratio {v['median'] / t['dense']['median']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
