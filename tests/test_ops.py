@@ -218,3 +218,25 @@ def test_masked_softmax_backward_equals_autograd_of_eq6():
     for ours, ref in zip(grads(ops.MaskedSoftmax.apply), grads(formula)):
         assert torch.allclose(ours, ref, atol=1e-12, rtol=0), (ours - ref).abs().max()
     assert grads(ops.MaskedSoftmax.apply)[2][hard == 0].abs().min() > 0  # removed keys' masks get gradient
+
+
+def test_mean_importance_stays_in_float32_under_autocast():
+    q, k, v = qkv(dtype=torch.float32)
+    keep = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    _, probs = ops.masked_attention(q, k, v, 0.5, keep, None)
+    ref = ops.importance_scores(probs.double(), keep.double(), "mean")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s = ops.importance_scores(probs, keep, "mean")
+    assert s.dtype == torch.float32
+    assert torch.allclose(s.double(), ref, atol=1e-6, rtol=0), (s.double() - ref).abs().max()
+
+
+def test_plan_buckets_on_a_large_batch_considers_few_splits():
+    import random
+
+    rng = random.Random(0)
+    counts = [rng.randint(5, 200) for _ in range(512)]
+    plan = ops.plan_buckets(counts, 2.0, 1e4, max_splits=16)
+    assert plan is not None and 2 <= len(plan) <= 4
+    assert sorted(i for rows, _ in plan for i in rows) == list(range(512))
+    assert all(n == max(counts[i] for i in rows) for rows, n in plan)

@@ -363,3 +363,11 @@ def test_forward_cut_is_the_dense_model_when_nothing_is_cut(config):
         assert torch.allclose(forward_cut(model, x, [n] * len(model.blocks)), model(x), atol=1e-12, rtol=0)
         cut = forward_cut(model, x, [n - 4 * (i + 1) for i in range(len(model.blocks))])
     assert cut.shape == (2, model.num_classes)
+
+
+def test_forward_cut_needs_a_count_per_block():
+    from ltmp.timm_patch import forward_cut
+
+    model = make_model("cls").eval()
+    with pytest.raises(ValueError, match=r"forward_cut needs one token count per block \(\d+\), got 1"):
+        forward_cut(model, images(1), [10])

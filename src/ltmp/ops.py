@@ -113,6 +113,7 @@ class MaskedSoftmax(torch.autograd.Function):
         return probs
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
         probs, a = ctx.saved_tensors
         d = g - (g * probs).sum(dim=-1, keepdim=True)  # (B, H, N, N)
@@ -142,8 +143,9 @@ def importance_scores(probs: Tensor, keep: Tensor | None, kind: str) -> Tensor:
     B, H, N, _ = probs.shape
     rows = (keep > 0.5).to(probs.dtype)  # (B, N)
     w = rows / (H * rows.sum(dim=1, keepdim=True))  # (B, N) weight of each query row
-    # one pass over the probabilities: (B, 1, H*N) @ (B, H*N, N)
-    return torch.bmm(w[:, None, :].repeat(1, 1, H), probs.reshape(B, H * N, N)).squeeze(1)  # (B, N)
+    # one pass over the probabilities: (B, 1, H*N) @ (B, H*N, N), in the probabilities' precision (not autocast's)
+    with torch.autocast(probs.device.type, enabled=False):
+        return torch.bmm(w[:, None, :].repeat(1, 1, H), probs.reshape(B, H * N, N)).squeeze(1)  # (B, N)
 
 
 def bipartite_sets(keep: Tensor, num_prefix: int) -> tuple[Tensor, Tensor]:
@@ -331,21 +333,23 @@ def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor 
     return new_keep, out, host
 
 
-def plan_buckets(counts: list[int], pair_cost: float, group_cost: float,
-                 max_buckets: int = 4) -> list[tuple[list[int], int]] | None:
+def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buckets: int = 4,
+                 max_splits: int = 48) -> list[tuple[list[int], int]] | None:
     """Group the images of a padded batch by token count, so that attention runs on less padding.
 
     Attention costs an image ``pair_cost * n^2`` for the ``n`` tokens of its group's longest member, and each
     group a fixed ``group_cost`` (its gathers and kernel calls); one group for the whole batch is plain padding.
-    Images sorted by count are split into at most ``max_buckets`` consecutive groups of least total cost. Exact
-    (dynamic programming over split points), on the host, O(B^2 max_buckets) on the counts compaction already
-    synchronised.
+    Images sorted by count are split into at most ``max_buckets`` consecutive groups of least total cost, by
+    dynamic programming over split points on the host (the counts compaction already synchronised). Splits only
+    fall where the count changes (splitting equal counts never helps), and at most ``max_splits`` such places are
+    considered (evenly spread, for very large batches); below that the plan is exact.
 
     Args:
         counts: Tokens of each image (survivors, prefix included).
         pair_cost: Cost of one (query, key) pair, e.g. its multiply-accumulates.
         group_cost: Fixed cost of one more group, in the same unit.
         max_buckets: Most groups to form.
+        max_splits: Most places to consider for a split.
 
     Returns:
         ``[(image indices, group length), ...]`` or None when one group is cheapest.
@@ -355,24 +359,30 @@ def plan_buckets(counts: list[int], pair_cost: float, group_cost: float,
         return None
     order = sorted(range(B), key=counts.__getitem__)
     c = [counts[i] for i in order]  # ascending
-    inf = float("inf")
-    # best[g][j]: cheapest split of the first j sorted images into g groups; cut[g][j]: start of the last group
-    best = [[inf] * (B + 1) for _ in range(max_buckets + 1)]
-    cut = [[0] * (B + 1) for _ in range(max_buckets + 1)]
+    ends = [j for j in range(1, B) if c[j] != c[j - 1]]  # a group may end before these sorted positions
+    if not ends:
+        return None
+    if len(ends) > max_splits:
+        ends = [ends[round(k * (len(ends) - 1) / (max_splits - 1))] for k in range(max_splits)]
+    pts = [0] + ends + [B]  # candidate group boundaries
+    P, inf = len(pts), float("inf")
+    # best[g][j]: cheapest split of the sorted images before pts[j] into g groups; cut[g][j]: its last start
+    best = [[inf] * P for _ in range(max_buckets + 1)]
+    cut = [[0] * P for _ in range(max_buckets + 1)]
     best[0][0] = 0.0
     for g in range(1, max_buckets + 1):
-        for j in range(1, B + 1):
-            last = pair_cost * c[j - 1] ** 2
+        for j in range(1, P):
+            last = pair_cost * c[pts[j] - 1] ** 2
             for i in range(g - 1, j):
-                cost = best[g - 1][i] + (j - i) * last + group_cost
+                cost = best[g - 1][i] + (pts[j] - pts[i]) * last + group_cost
                 if cost < best[g][j]:
                     best[g][j], cut[g][j] = cost, i
-    g = min(range(1, max_buckets + 1), key=lambda n: best[n][B])
+    g = min(range(1, max_buckets + 1), key=lambda n: best[n][P - 1])
     if g == 1:
         return None
-    groups, j = [], B
+    groups, j = [], P - 1
     while g > 0:
         i = cut[g][j]
-        groups.append((order[i:j], c[j - 1]))
+        groups.append((order[pts[i]:pts[j]], c[pts[j] - 1]))
         j, g = i, g - 1
     return groups[::-1]

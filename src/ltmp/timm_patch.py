@@ -290,9 +290,12 @@ GROUP_MACS = {"cpu": 12e6}
 
 
 def _buckets(state: TokenState, attn) -> list[tuple[list[int], int]] | None:
-    """Groups of a padded eval batch for attention (:func:`ltmp.ops.plan_buckets`), or None to run it whole."""
+    """Groups of a padded eval batch for attention (:func:`ltmp.ops.plan_buckets`), or None to run it whole.
+
+    Only without gradients (``torch.no_grad()``/``inference_mode``, as ``ltmp eval``/``bench`` run), and never
+    while tracing or exporting (the groups depend on the image)."""
     if not (state.compact and state.masked_once) or state.counts is None or is_exporting() \
-            or torch.is_grad_enabled() or state.keep.device.type not in GROUP_MACS:
+            or torch.jit.is_tracing() or torch.is_grad_enabled() or state.keep.device.type not in GROUP_MACS:
         return None
     return ops.plan_buckets(state.counts, 2.0 * attn.attn_dim, GROUP_MACS[state.keep.device.type], MAX_BUCKETS)
 
@@ -325,7 +328,9 @@ def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buc
 
     Token-wise layers run packed (the T real tokens); each group gathers its q, k, v straight from the packed
     qkv, padded only to the group's longest image (padding rows repeat a real token and are masked), and its
-    output goes straight back to the packed rows. Same result as :func:`_attention` on the whole padded batch.
+    output goes straight back to the packed rows. The result of :func:`_attention` on the whole padded batch, up
+    to rounding (a group without padding may run another kernel). The per-group index tensors are built from
+    host lists (a blocking copy on GPUs, where grouping is off; see ``GROUP_MACS``).
 
     Returns:
         x after the attention residual (B, N, C), importance (B, N) or None, and the merge metric (B, N, D).
@@ -342,7 +347,8 @@ def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buc
     for c in state.counts[:-1]:
         starts.append(starts[-1] + c)
     o = qkv.new_empty(T + 1, H * D)  # (T + 1, H * D); row T takes the padding rows' outputs
-    importance, metric = None, qkv.new_zeros(B, N, D)  # (B, N), (B, N, D)
+    importance = None  # (B, N) once a group has scores
+    metric = qkv.new_zeros(B, N, D) if cfg.needs_metric else None  # (B, N, D)
     for rows, n in buckets:
         sel = torch.tensor(rows, device=dev)  # (b,)
         count = torch.tensor([state.counts[i] for i in rows], device=dev)  # (b,)
@@ -366,7 +372,7 @@ def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buc
     norm = getattr(attn, "norm", None) or _identity
     out = blk.drop_path1(blk.ls1(attn.proj_drop(attn.proj(norm(o[:T])))))  # (T, C)
     x = x.reshape(B * N, C).index_add(0, idx, out.to(x.dtype)).view(B, N, C)  # (B, N, C)
-    return x, importance, metric if cfg.needs_metric else None
+    return x, importance, metric
 
 
 def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
@@ -421,6 +427,8 @@ def forward_cut(model: nn.Module, x: Tensor, counts: Sequence[int]) -> Tensor:
         x: (B, 3, H, W) images.
         counts: Tokens (prefix included) leaving each block.
     """
+    if len(counts) != len(model.blocks):
+        raise ValueError(f"forward_cut needs one token count per block ({len(model.blocks)}), got {len(counts)}")
     x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))  # (B, N, C)
     for blk, n in zip(model.blocks, counts):
         x = x + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(x))))  # (B, N, C)
