@@ -262,8 +262,18 @@ def test_bench_reports_time_and_gmacs_ratios(tiny_model, tiny_data, tmp_path, ca
     for r in res["runs"]:
         assert r["time_ratio"] == pytest.approx(r["reduced_ms"] / r["dense_ms"])
         assert 0 < r["gmacs_ratio"] < 1 and r["gmacs_executed_ratio"] >= r["gmacs_ratio"] - 1e-12
-    assert {"device", "threads", "gmacs_dense"} <= set(res)
+    assert {"device", "threads", "gmacs_dense"} <= set(res) and res["inputs"] == str(tiny_data)
     assert "time ratio" in capsys.readouterr().out
+
+
+def test_bench_on_random_inputs_says_so_for_learned_thresholds(tiny_model, tmp_path, capsys):
+    thresholds = tmp_path / "t.safetensors"
+    ltmp.save_thresholds(ltmp.patch(timm.create_model(tiny_model, pretrained=True), "ltmp"), thresholds)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", tiny_model, "--pretrained", "--thresholds", str(thresholds),
+                 "--batch-size", "2", "--reps", "1", "--rounds", "1", "--warmup", "1", "--json", str(out)]) == 0
+    assert "ltmp: note: timing on random inputs (no --data-dir)" in capsys.readouterr().err
+    assert json.loads(out.read_text())["inputs"] == "random"
 
 
 def test_resume_refuses_changed_settings_and_fresh_runs_drop_stale_checkpoints(tiny_model, tiny_data, tmp_path,

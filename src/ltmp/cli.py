@@ -179,9 +179,12 @@ def cmd_bench(args) -> int:
     else:
         g = torch.Generator().manual_seed(0)
         batch = torch.randn(args.batch_size, *dense.pretrained_cfg.get("input_size", (3, 224, 224)), generator=g)
+        if reduced.ltmp_config.learned:
+            print("ltmp: note: timing on random inputs (no --data-dir); learned thresholds keep as many tokens as "
+                  "each image needs, so pass --data-dir DIR to time real images", file=sys.stderr)
     result = {"model": args.model, "device": str(device), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "machine": platform.machine(), "method": reduced.ltmp_config.method,
-              "gmacs_dense": ltmp.dense_gmacs(spec), "runs": []}
+              "inputs": args.data_dir or "random", "gmacs_dense": ltmp.dense_gmacs(spec), "runs": []}
     for bs in sorted({1, args.batch_size}):
         x = batch[:bs].to(device)
         with torch.no_grad():
