@@ -240,3 +240,15 @@ def test_plan_buckets_on_a_large_batch_considers_few_splits():
     assert plan is not None and 2 <= len(plan) <= 4
     assert sorted(i for rows, _ in plan for i in rows) == list(range(512))
     assert all(n == max(counts[i] for i in rows) for rows, n in plan)
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_single_image_attention_path_equals_the_general_one(sized):
+    q, k, v = qkv(B=1)
+    size = torch.tensor([[1, 2, 1, 3, 1, 1, 1, 2, 1]], dtype=torch.float64)
+    ls = size.log() if sized else None
+    with torch.no_grad():  # one image without gradients: the 3-D path
+        out, probs = ops.masked_attention(q, k, v, 0.5, None, ls)
+    ref_out, ref_probs = ops.masked_attention(q, k, v, 0.5, None, ls)  # grad mode: the general path
+    assert out.shape == ref_out.shape and probs.shape == ref_probs.shape
+    assert torch.allclose(out, ref_out, atol=1e-12, rtol=0) and torch.allclose(probs, ref_probs, atol=1e-12, rtol=0)

@@ -39,6 +39,14 @@ def threshold_mask(scores: Tensor, threshold: Tensor, tau: float) -> Tensor:
     return hard + (soft - soft.detach())
 
 
+def _autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for this device type (``torch.is_autocast_enabled(device_type)``, torch >= 2.4)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # older torch: no device argument
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
 def masked_attention(
         q: Tensor,
         k: Tensor,
@@ -68,9 +76,18 @@ def masked_attention(
     Returns:
         out (B, H, N, D) and the attention probabilities S (B, H, N, N), in fp32 (or float64 for float64 inputs).
     """
+    hard = keep is None or not (torch.is_grad_enabled() and keep.requires_grad)
+    if q.shape[0] == 1 and keep is None and not torch.is_grad_enabled() and q.dtype in (torch.float32, torch.float64) \
+            and not _autocast_on(q.device.type):  # one image: 3-D matmuls, bias folded in (fewer operator calls)
+        kt = k[0].transpose(1, 2)  # (H, D, N)
+        if log_size is None:
+            attn = torch.bmm(q[0], kt).mul_(scale)  # (H, N, N)
+        else:
+            attn = torch.baddbmm(log_size[0].to(q.dtype), q[0], kt, alpha=scale)  # (H, N, N)
+        probs = attn.softmax(dim=-1)  # (H, N, N)
+        return torch.bmm(probs, v[0])[None], probs[None]  # (1, H, N, D), (1, H, N, N)
     attn = (q * scale) @ k.transpose(-2, -1)  # (B, H, N, N)
     attn = attn.to(torch.promote_types(attn.dtype, torch.float32))  # fp16/bf16 -> fp32, float64 stays
-    hard = keep is None or not (torch.is_grad_enabled() and keep.requires_grad)
     if hard:  # no gradient to the mask: one additive bias (log size, -inf where masked) and one softmax
         if log_size is not None or keep is not None:
             bias = log_size.to(attn.dtype) if log_size is not None else attn.new_zeros(keep.shape)  # (B, N)

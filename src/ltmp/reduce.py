@@ -258,6 +258,11 @@ def _reduce_single(
             alive[src] = False
             n_merged, merged_once = src.shape[0], True
         else:
+            if cfg.learned and not cfg.keep_one:  # kept by eq. 1, prefix always
+                kept = importance > prune_threshold  # (N,)
+                kept[:P] = True
+                alive = kept if alive is None else kept & alive
+                continue
             if cfg.learned:
                 drop = importance <= prune_threshold  # (N,) not kept by eq. 1
             else:
