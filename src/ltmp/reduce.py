@@ -258,26 +258,22 @@ def _reduce_single(
             alive[src] = False
             n_merged, merged_once = src.shape[0], True
         else:
-            if cfg.learned and not cfg.keep_one:  # kept by eq. 1, prefix always
-                kept = importance > prune_threshold  # (N,)
-                kept[:P] = True
-                alive = kept if alive is None else kept & alive
-                continue
             if cfg.learned:
-                drop = importance <= prune_threshold  # (N,) not kept by eq. 1
+                kept = importance > prune_threshold  # (N,) kept by eq. 1
             else:
                 cand = importance.detach().to(torch.promote_types(importance.dtype, torch.float32)).clone()
                 cand[:P] = float("inf")
                 if alive is not None:
                     cand[~alive] = float("inf")
-                drop = torch.zeros(N, dtype=torch.bool, device=x.device)
+                kept = torch.ones(N, dtype=torch.bool, device=x.device)
                 low = cand.topk(torch.sym_min(rate, N), largest=False).indices if exporting else \
                     cand.sort(stable=True).indices[:rate]
-                drop[low] = True
-            drop[:P] = False
-            cand_alive = alive if alive is not None else torch.ones(N, dtype=torch.bool, device=x.device)
-            kept = cand_alive & ~drop  # (N,)
+                kept[low] = False
+            kept[:P] = True  # prefix tokens are never pruned
+            if alive is not None:
+                kept = kept & alive
             if cfg.keep_one:  # spare the most important candidate when none would be left (branch-free)
+                cand_alive = alive if alive is not None else torch.ones(N, dtype=torch.bool, device=x.device)
                 spare = importance.float().masked_fill(~cand_alive, float("-inf"))
                 spare[:P] = float("-inf")
                 i = spare.argmax()
