@@ -7,6 +7,7 @@ and the groups planned per block.
 
     python benchmarks/grouping.py                   # deit-s and cifar, r_target 0.7 and 0.5 (about 5 minutes)
     python benchmarks/grouping.py --models deit-s --targets 0.5
+    python benchmarks/grouping.py --device cuda --group-macs 1e6     # try grouping on a GPU (off by default there)
 """
 from __future__ import annotations
 
@@ -41,15 +42,23 @@ def main() -> None:
     p.add_argument("--targets", default="0.7,0.5")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--group-macs", type=float,
+                   help="fixed cost of a group on this device (timm_patch.GROUP_MACS); needed on GPUs, where "
+                        "grouping is off by default")
     args = p.parse_args()
+    device = torch.device(args.device)
+    if args.group_macs is not None:
+        timm_patch.GROUP_MACS[device.type] = args.group_macs
+    print(f"device {device}, group cost {timm_patch.GROUP_MACS.get(device.type)} MACs", flush=True)
     default = timm_patch.MAX_BUCKETS
     for name in args.models.split(","):
-        dense = load_model(name)
+        dense = load_model(name).to(device)
         spec = ltmp.vit_spec(dense)
-        x = load_images(dense, "test", args.batch_size)
+        x = load_images(dense, "test", args.batch_size).to(device)
         for target in (float(t) for t in args.targets.split(",")):
             red = ltmp.patch(copy.deepcopy(dense), "ltmp")
-            calibrate(red, load_images(dense, "train", 64), target, mode="quantile", iters=12)
+            calibrate(red, load_images(dense, "train", 64), target, device, mode="quantile", iters=12)
             red.eval()
             plans = []
             real = ops.plan_buckets
@@ -59,8 +68,8 @@ def main() -> None:
             finally:
                 ops.plan_buckets = real
             rec = ltmp.stats(red)
-            g = float(ltmp.gmacs(spec, rec.kept).mean())
-            tome = ltmp.patch(copy.deepcopy(dense), "tome", r=rate_schedule(spec, g)).eval()
+            g = float(ltmp.gmacs(spec, rec.kept.cpu()).mean())
+            tome = ltmp.patch(copy.deepcopy(dense), "tome", r=rate_schedule(spec, g)).to(device).eval()
             models = {"dense": dense, "ltmp, whole batch": Grouping(red, 1), f"ltmp, <= {default} groups":
                       Grouping(red, default), "tome (mean GMACs)": tome}
             t = compare_models(models, [x], warmup=1, reps=1, rounds=args.rounds)
@@ -70,7 +79,7 @@ def main() -> None:
                   f"{ltmp.gmacs_executed(spec, rec.padded) / ltmp.dense_gmacs(spec):.3f}; groups per block "
                   f"{groups}")
             for k, v in t.items():
-                print(f"   {k:<20} {1000 * v['median']:8.1f} ms  time ratio {v['median'] / t['dense']['median']:.3f}")
+                print(f"   {k:<20} {1000 * v['median']:8.2f} ms  time ratio {v['median'] / t['dense']['median']:.3f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Two models:
 - ``deit-s``: the DeiT-S shape (224x224, 196 patches + class token), random weights. Inputs are the bundled
   CIFAR-10 test images upsampled to 224 by DeiT's eval transform, so that images differ in how many patches look
   alike and kept counts vary across a batch.
-- ``cifar``: the CIFAR-10 ViT of ``../shared/models/vit-cifar10`` (65 tokens) on the same images at 32x32.
+- ``cifar``: the CIFAR-10 ViT of ``../shared/models/vit-cifar10`` (65 tokens) on the same images at 32x32; where
+  that folder is missing, the package's bundled fp16 copy of it (same architecture, weights rounded to fp16).
 
 For each r_target (0.7 and 0.5), LTMP's thresholds are calibrated without training (``calibrate(mode="quantile")``:
 per-layer quantiles that merge a fraction f of set A and prune f/2 of the rest, f bisected to hit r_target on 64
@@ -43,7 +44,7 @@ import torch
 import ltmp
 from ltmp import data as ldata
 from ltmp.bench import _sync, compare_models
-from ltmp.demo import BUNDLED_DATA
+from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
 from ltmp.thresholds import set_thresholds, threshold_tensors
 from ltmp.timm_patch import forward_cut
 from ltmp.train import calibrate, pick_device, rate_schedule
@@ -56,7 +57,11 @@ def load_model(name: str) -> torch.nn.Module:
     if name == "deit-s":
         torch.manual_seed(0)
         return timm.create_model("deit_small_patch16_224", pretrained=False).eval()
-    return timm.create_model(f"local-dir:{SHARED_MODEL}", pretrained=True).eval()
+    return timm.create_model(cifar_model_name(), pretrained=True).eval()
+
+
+def cifar_model_name() -> str:
+    return f"local-dir:{SHARED_MODEL}" if SHARED_MODEL.is_dir() else BUNDLED_MODEL
 
 
 def load_images(model: torch.nn.Module, split: str, n: int) -> torch.Tensor:
@@ -146,7 +151,7 @@ def run_model(name: str, args, device) -> dict:
     test = load_images(dense, "test", max(args.batch_size, args.singles)).to(device)
     singles = [test[i:i + 1] for i in range(args.singles)]
     batch = test[:args.batch_size]
-    out = {"model": name, "gmacs_dense": g_dense, "targets": []}
+    out = {"model": name, "gmacs_dense": g_dense, "batch_size": len(batch), "targets": []}
     print(f"== {name}: dense {g_dense:.4f} GMACs", flush=True)
     for target in args.targets:
         ltmp_m = ltmp.patch(copy.deepcopy(dense), "ltmp")
@@ -215,9 +220,11 @@ def run_model(name: str, args, device) -> dict:
 
 def markdown(result: dict) -> str:
     env = result["env"]
-    lines = [f"Measured on: {env['device_name']}, torch {env['torch']}, timm {env['timm']}. Produced by "
+    amp = ", bf16 autocast" if env.get("amp") else ""
+    lines = [f"Measured on: {env['device_name']}{amp}, torch {env['torch']}, timm {env['timm']}. Produced by "
              f"`{result['command']}`. `ms` is one timed repetition: 8 different images one at a time (batch 1), "
-             f"or one batch of 32; medians over interleaved rounds. Time and GMACs ratios are to the dense model "
+             f"or one batch of {result['models'][0].get('batch_size', 32)}; medians over interleaved rounds. "
+             f"Time and GMACs ratios are to the dense model "
              f"in the same rounds; baselines are matched to LTMP's mean GMACs, `tome@exec` to its executed "
              f"(padded) GMACs. `bound` (batch 1): the dense model on LTMP's per-image token counts with "
              f"tokens simply cut off after each block's attention and no reduction step, the time those counts "
@@ -261,6 +268,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (dense, ltmp, tome, ...)")
     p.add_argument("--threads", type=int)
     p.add_argument("--device", default="auto")
+    p.add_argument("--amp", action="store_true", help="run everything under bf16 autocast (as GPU users deploy)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     p.add_argument("--json", default=str(ROOT / "runs" / "speed.json"))
     p.add_argument("--out", help="write the markdown tables here (e.g. docs/speed.md)")
@@ -279,8 +287,12 @@ def main() -> int:
         f"{platform.machine()} CPU ({torch.get_num_threads()} threads)"
     result = {"command": "python benchmarks/speed.py " + " ".join(sys.argv[1:]),
               "env": {"device": str(device), "device_name": name, "threads": torch.get_num_threads(),
-                      "torch": torch.__version__, "timm": timm.__version__},
-              "models": [run_model(m, args, device) for m in args.models.split(",")]}
+                      "torch": torch.__version__, "timm": timm.__version__,
+                      "cifar_model": cifar_model_name()},
+              "models": []}
+    result["env"]["amp"] = "bf16" if args.amp else ""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+        result["models"] = [run_model(m, args, device) for m in args.models.split(",")]
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.out:

@@ -1,0 +1,133 @@
+"""Do the CUDA paths compute what the CPU paths compute? A check for a lent GPU machine (issue #5), never in CI.
+
+For the CIFAR-10 ViT and the DeiT-S shape of benchmarks/speed.py (random weights, 224x224), with LTMP thresholds calibrated on the
+CPU (``calibrate(mode="quantile")``, r_target 0.6) and copied to the GPU, it compares in fp32 (TF32 off):
+
+- eval, batch 16: logits of CUDA vs CPU, and the kept token counts per image and block;
+- eval on CUDA: the padded batch of 16 against the same images one at a time (padding changes nothing);
+- train mode: the loss ``CE + budget_loss`` and the gradients that reach the thresholds, CUDA vs CPU;
+- ToMe (r=4) and top-k pruning (k=4) eval logits, CUDA vs CPU;
+- bf16 autocast on CUDA: eval stays finite and keeps about as many tokens as fp32 (bf16 rounding moves scores
+  across thresholds, so counts and logits differ more than rounding); a train step's threshold gradients are finite.
+
+Decisions taken right at a threshold can flip between devices (different float rounding); logits are compared on
+the images whose kept counts agree in every block, and the number that differ is printed. Exits 1 if a check fails.
+
+    python benchmarks/cuda_check.py                 # needs a CUDA device
+    python benchmarks/cuda_check.py --device cpu    # dry run of the script itself
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import ltmp
+from ltmp.thresholds import set_thresholds, threshold_tensors
+from ltmp.train import calibrate
+from speed import load_images, load_model
+
+FAILED: list[str] = []
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in float64 on the CPU."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check(name: str, ok: bool, detail: str) -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name:<58} {detail}", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def kept(model) -> torch.Tensor:
+    return ltmp.stats(model).kept.cpu()  # (B, L)
+
+
+def run(name: str, cuda: torch.device) -> None:
+    dense = load_model(name)
+    cpu_m = ltmp.patch(copy.deepcopy(dense), "ltmp")
+    calibrate(cpu_m, load_images(dense, "train", 64), 0.6, mode="quantile", iters=10)
+    gpu_m = ltmp.patch(copy.deepcopy(dense), "ltmp").to(cuda)
+    set_thresholds(gpu_m, {k: v.to(cuda) for k, v in threshold_tensors(cpu_m).items()})
+    x = load_images(dense, "test", 16)  # (16, 3, H, W)
+    y = torch.arange(16) % 10
+    xg, yg = x.to(cuda), y.to(cuda)
+
+    with torch.no_grad():
+        out_c, k_c = cpu_m.eval()(x), kept(cpu_m)
+        out_g, k_g = gpu_m.eval()(xg), kept(gpu_m)
+        same = (k_c == k_g).all(1)  # (16,) images whose counts agree in every block
+        check(f"{name}: eval kept counts CUDA == CPU", int(same.sum()) >= 14,
+              f"{int(same.sum())}/16 images identical in all blocks; mean kept last block CPU "
+              f"{k_c[:, -1].float().mean():.2f} CUDA {k_g[:, -1].float().mean():.2f}")
+        e = rel(out_g[same.to(cuda)], out_c[same])
+        check(f"{name}: eval logits CUDA vs CPU (same counts)", e < 1e-4, f"rel err {e:.2e} (< 1e-4)")
+
+        one = [(gpu_m(xg[i:i + 1]), kept(gpu_m)) for i in range(16)]
+        singles, k_s = torch.cat([o for o, _ in one]), torch.cat([k for _, k in one])  # (16, classes), (16, L)
+        same_s = (k_s == k_g).all(1)
+        e = rel(out_g[same_s.to(cuda)], singles[same_s.to(cuda)])
+        check(f"{name}: CUDA padded batch == one at a time", int(same_s.sum()) >= 14 and e < 1e-4,
+              f"{int(same_s.sum())}/16 same counts, rel err {e:.2e} (< 1e-4)")
+
+        for method, kw in (("tome", {"r": 4}), ("topk-prune", {"k": 4})):
+            mc = ltmp.patch(copy.deepcopy(dense), method, **kw).eval()
+            mg = copy.deepcopy(mc).to(cuda)
+            e = rel(mg(xg), mc(x))
+            check(f"{name}: {method} eval logits CUDA vs CPU", e < 1e-4, f"rel err {e:.2e} (< 1e-4)")
+
+    grads = {}
+    for dev, m, xi, yi in (("cpu", cpu_m, x, y), ("cuda", gpu_m, xg, yg)):
+        m.train()
+        m.zero_grad()
+        loss = F.cross_entropy(m(xi), yi) + ltmp.budget_loss(m, 0.6)
+        loss.backward()
+        grads[dev] = (float(loss.detach()), torch.cat([p.grad.flatten().cpu() for n, p in m.named_parameters()
+                                               if n.endswith(("merge_threshold", "prune_threshold"))]))
+    check(f"{name}: train loss CUDA vs CPU", abs(grads["cuda"][0] - grads["cpu"][0]) < 1e-4 * abs(grads["cpu"][0])
+          + 1e-6, f"{grads['cpu'][0]:.6f} vs {grads['cuda'][0]:.6f}")
+    e = rel(grads["cuda"][1], grads["cpu"][1])
+    check(f"{name}: threshold gradients CUDA vs CPU", e < 1e-3 and grads["cpu"][1].abs().sum() > 0,
+          f"rel err {e:.2e} (< 1e-3), |grad| sum {grads['cpu'][1].abs().sum():.3e}")
+
+    with torch.no_grad(), torch.autocast(cuda.type, dtype=torch.bfloat16):
+        out_b = gpu_m.eval()(xg)
+    kb = kept(gpu_m)[:, -1].float().mean()
+    ok = bool(torch.isfinite(out_b).all()) and abs(kb / k_g[:, -1].float().mean() - 1) < 0.1
+    check(f"{name}: bf16 autocast eval (CUDA)", ok, f"finite; mean kept last block {kb:.2f} vs fp32 "
+          f"{k_g[:, -1].float().mean():.2f} (within 10%); logits rel err to fp32 {rel(out_b.float(), out_g):.2e}")
+    gpu_m.train()
+    gpu_m.zero_grad()
+    with torch.autocast(cuda.type, dtype=torch.bfloat16):
+        loss = F.cross_entropy(gpu_m(xg), yg) + ltmp.budget_loss(gpu_m, 0.6)
+    loss.backward()
+    g = torch.cat([p.grad.flatten() for n, p in gpu_m.named_parameters() if n.endswith("_threshold")])
+    check(f"{name}: bf16 autocast train step", bool(torch.isfinite(g).all()) and float(g.abs().sum()) > 0,
+          f"loss {float(loss.detach()):.4f}, threshold gradients finite, |grad| sum {float(g.abs().sum()):.3e}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", help="'cpu' only dry-runs this script (CPU against CPU)")
+    cuda = torch.device(p.parse_args().device)
+    if cuda.type == "cuda" and not torch.cuda.is_available():
+        print("cuda_check: no CUDA device here; run it on a GPU machine", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    name = torch.cuda.get_device_name(cuda) if cuda.type == "cuda" else "CPU (dry run)"
+    print(f"{name}, torch {torch.__version__}, timm {__import__('timm').__version__}")
+    for name in ("cifar", "deit-s"):
+        run(name, cuda)
+    print(f"{len(FAILED)} failed" + (": " + ", ".join(FAILED) if FAILED else ""))
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
