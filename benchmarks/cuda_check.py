@@ -5,7 +5,8 @@ CPU (``calibrate(mode="quantile")``, r_target 0.6) and copied to the GPU, it com
 
 - eval, batch 16: logits of CUDA vs CPU, and the kept token counts per image and block;
 - eval on CUDA: the padded batch of 16 against the same images one at a time (padding changes nothing);
-- train mode: the loss ``CE + budget_loss`` and the gradients that reach the thresholds, CUDA vs CPU;
+- train mode: the loss ``CE + budget_loss`` and the gradients that reach the thresholds, CUDA vs CPU in float64
+  (same function) and fp32 CUDA against the float64 reference (precision);
 - ToMe (r=4) and top-k pruning (k=4) eval logits, CUDA vs CPU;
 - bf16 autocast on CUDA: eval stays finite and keeps about as many tokens as fp32 (bf16 rounding moves scores
   across thresholds, so counts and logits differ more than rounding); a train step's threshold gradients are finite.
@@ -82,19 +83,24 @@ def run(name: str, cuda: torch.device) -> None:
             e = rel(mg(xg), mc(x))
             check(f"{name}: {method} eval logits CUDA vs CPU", e < 1e-4, f"rel err {e:.2e} (< 1e-4)")
 
-    grads = {}
-    for dev, m, xi, yi in (("cpu", cpu_m, x, y), ("cuda", gpu_m, xg, yg)):
-        m.train()
-        m.zero_grad()
-        loss = F.cross_entropy(m(xi), yi) + ltmp.budget_loss(m, 0.6)
-        loss.backward()
-        grads[dev] = (float(loss.detach()), torch.cat([p.grad.flatten().cpu() for n, p in m.named_parameters()
-                                               if n.endswith(("merge_threshold", "prune_threshold"))]))
-    check(f"{name}: train loss CUDA vs CPU", abs(grads["cuda"][0] - grads["cpu"][0]) < 1e-4 * abs(grads["cpu"][0])
-          + 1e-6, f"{grads['cpu'][0]:.6f} vs {grads['cuda'][0]:.6f}")
-    e = rel(grads["cuda"][1], grads["cpu"][1])
-    check(f"{name}: threshold gradients CUDA vs CPU", e < 1e-3 and grads["cpu"][1].abs().sum() > 0,
-          f"rel err {e:.2e} (< 1e-3), |grad| sum {grads['cpu'][1].abs().sum():.3e}")
+    grads = {}  # (device, dtype) -> (loss, threshold gradients)
+    for dev, m0, xi, yi in (("cpu", cpu_m, x, y), ("cuda", gpu_m, xg, yg)):
+        for dt in (torch.float32, torch.float64):
+            m = copy.deepcopy(m0).to(dt).train()
+            loss = F.cross_entropy(m(xi.to(dt)), yi) + ltmp.budget_loss(m, 0.6)
+            loss.backward()
+            grads[dev, dt] = (float(loss.detach()), torch.cat([p.grad.flatten().double().cpu() for n, p in
+                                                               m.named_parameters() if n.endswith("_threshold")]))
+    f32, f64 = torch.float32, torch.float64
+    lc, lg = grads["cpu", f32][0], grads["cuda", f32][0]
+    check(f"{name}: train loss CUDA vs CPU", abs(lg - lc) < 1e-5 * abs(lc), f"{lc:.6f} vs {lg:.6f}")
+    ref = grads["cpu", f64][1]
+    e64 = rel(grads["cuda", f64][1], ref)
+    check(f"{name}: threshold gradients CUDA vs CPU, float64", e64 < 1e-9 and ref.abs().sum() > 0,
+          f"rel err {e64:.2e} (< 1e-9), |grad| sum {ref.abs().sum():.3e}")
+    e32, c32 = rel(grads["cuda", f32][1], ref), rel(grads["cpu", f32][1], ref)
+    check(f"{name}: threshold gradients fp32 CUDA vs float64", e32 < 1e-3,
+          f"rel err {e32:.2e} (< 1e-3); fp32 CPU: {c32:.2e}")
 
     with torch.no_grad(), torch.autocast(cuda.type, dtype=torch.bfloat16):
         out_b = gpu_m.eval()(xg)

@@ -104,13 +104,16 @@ def kept_counts(model, spec, x: torch.Tensor) -> list[int]:
 
 
 def saved_bytes(model, x: torch.Tensor) -> dict:
-    """Bytes that autograd saves for backward in one forward, split into attention-shaped tensors and the rest."""
+    """Bytes that autograd saves for backward in one forward, split into token x token matrices and the rest."""
     B = x.shape[0]
     seen: dict[int, tuple[int, bool]] = {}
 
     def pack(t):
-        attn_like = t.dim() == 4 and t.shape[0] == B and t.shape[-1] == t.shape[-2] and t.shape[-1] > 16
-        seen[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), attn_like)
+        # token x token matrices: attention (B, H, N, N) or (B*H, N, N), similarities (B, N, N); a storage saved
+        # once as such and once as a view of another shape counts as one
+        attn_like = t.dim() >= 3 and t.shape[0] % B == 0 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 16
+        ptr = t.untyped_storage().data_ptr()
+        seen[ptr] = (t.untyped_storage().nbytes(), attn_like or seen.get(ptr, (0, False))[1])
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -231,6 +231,21 @@ def test_mean_importance_stays_in_float32_under_autocast():
     assert torch.allclose(s.double(), ref, atol=1e-6, rtol=0), (s.double() - ref).abs().max()
 
 
+def test_similarity_scores_stay_in_float32_under_autocast():
+    # bf16 would round similarities near 1 to steps of 1/256 and tie whole groups of tokens at a merge threshold
+    g = torch.Generator().manual_seed(3)
+    metric = torch.randn(2, 12, 8, generator=g)  # (B, N, D)
+    keep = torch.ones(2, 12)
+    ref, ref_dst, _ = ops.best_match_contiguous(metric.double(), keep.double(), 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        score, dst, _ = ops.best_match_contiguous(metric, keep, 1)
+        sim = ops.cosine_similarity(metric, metric)
+    assert score.dtype == sim.dtype == torch.float32
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(score)) and torch.equal(dst, ref_dst)
+    assert torch.allclose(score[fin].double(), ref[fin], atol=1e-6, rtol=0), (score[fin].double() - ref[fin]).abs().max()
+
+
 def test_plan_buckets_on_a_large_batch_considers_few_splits():
     import random
 

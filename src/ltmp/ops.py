@@ -187,6 +187,26 @@ def bipartite_sets(keep: Tensor, num_prefix: int) -> tuple[Tensor, Tensor]:
     return mergeable & even, mergeable & ~even
 
 
+def cosine_similarity(a: Tensor, b: Tensor) -> Tensor:
+    """Cosine similarity of every row of ``a`` with every row of ``b``, in at least float32 also under autocast:
+    merge decisions compare these scores with a threshold (eq. 1), and bf16 rounds them to steps of 1/256 near 1,
+    where similar tokens lie, so whole groups of scores would tie at a threshold.
+
+    Args:
+        a, b: (B, Na, D) and (B, Nb, D).
+
+    Returns:
+        (B, Na, Nb).
+    """
+    dt = torch.promote_types(a.dtype, torch.float32)
+    a, b = a.to(dt), b.to(dt)
+    a, bt = a / a.norm(dim=-1, keepdim=True), (b / b.norm(dim=-1, keepdim=True)).transpose(-1, -2)  # (B, D, Nb)
+    if _autocast_on(a.device.type):
+        with torch.autocast(a.device.type, enabled=False):
+            return a @ bt  # (B, Na, Nb)
+    return a @ bt  # (B, Na, Nb)
+
+
 def best_match(metric: Tensor, is_a: Tensor, is_b: Tensor) -> tuple[Tensor, Tensor]:
     """Similarity score of each A token: its highest cosine similarity with any B token (ToMe).
 
@@ -198,8 +218,7 @@ def best_match(metric: Tensor, is_a: Tensor, is_b: Tensor) -> tuple[Tensor, Tens
         ``score`` (B, N), -inf outside set A or where B is empty; ``dst`` (B, N) index of the best B token
         (the first one on ties).
     """
-    m = metric / metric.norm(dim=-1, keepdim=True)  # (B, N, D)
-    sim = m @ m.transpose(-1, -2)  # (B, N, N)
+    sim = cosine_similarity(metric, metric)  # (B, N, N)
     sim = sim.masked_fill(~is_b[:, None, :], float("-inf"))
     score, dst = sim.max(dim=-1)  # (B, N), (B, N)
     score = score.masked_fill(~is_a, float("-inf"))
@@ -222,10 +241,9 @@ def best_match_contiguous(metric: Tensor, keep: Tensor, num_prefix: int) -> tupl
         ``score`` (B, N), ``dst`` (B, N) and ``is_a`` (B, N), as :func:`best_match` and :func:`bipartite_sets`.
     """
     B, N, _ = metric.shape
-    m = metric / metric.norm(dim=-1, keepdim=True)  # (B, N, D)
     pos = torch.arange(N, device=metric.device)
     alive = (keep > 0.5) & (pos >= num_prefix)  # (B, N) mergeable survivors
-    sim = m[:, ::2] @ m[:, 1::2].transpose(-1, -2)  # (B, Na, Nb)
+    sim = cosine_similarity(metric[:, ::2], metric[:, 1::2])  # (B, Na, Nb)
     sim = sim.masked_fill(~alive[:, None, 1::2], float("-inf"))
     if sim.shape[-1] == 0:  # a single token left: nothing to merge into
         best, j = sim.new_full(sim.shape[:2], float("-inf")), torch.zeros(sim.shape[:2], dtype=torch.long,
