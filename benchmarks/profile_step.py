@@ -5,11 +5,16 @@ LTMP with thresholds calibrated to ``--target`` (as in benchmarks/speed.py).
 
     python benchmarks/profile_step.py --model cifar --target 0.7
     python benchmarks/profile_step.py --model deit-s --batch-size 32
+    python benchmarks/profile_step.py --model deit-s --batch-size 32 --device cuda   # + GPU kernel time
+
+On CUDA it also prints the wall time per forward next to the summed kernel time: a forward whose wall time is far
+above its kernel time is bound by launching operators, not by the GPU.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -21,17 +26,20 @@ from speed import load_images, load_model
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="cifar", choices=["cifar", "deit-s"])
+    p.add_argument("--model", default="cifar", choices=["cifar", "deit-s", "vit-b"])
     p.add_argument("--target", type=float, default=0.7)
     p.add_argument("--method", default="ltmp")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--forwards", type=int, default=8)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--device", default="cpu")
     args = p.parse_args()
-    dense = load_model(args.model)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dense = load_model(args.model).to(device)
     red = ltmp.patch(copy.deepcopy(dense), args.method)
-    r = calibrate(red, load_images(dense, "train", 64), args.target, mode="quantile", iters=12)
-    x = load_images(dense, "test", args.forwards * args.batch_size)
+    r = calibrate(red, load_images(dense, "train", 64), args.target, device, mode="quantile", iters=12)
+    x = load_images(dense, "test", args.forwards * args.batch_size).to(device)
     batches = [x[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.forwards)]
     print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}")
     for name, m in (("dense", dense), (args.method, red)):
@@ -39,15 +47,28 @@ def main() -> None:
         with torch.no_grad():
             for b in batches:
                 m(b)
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            if cuda:
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            for b in batches:
+                m(b)
+            if cuda:
+                torch.cuda.synchronize(device)
+            wall = (time.perf_counter() - t) / args.forwards
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=acts) as prof:
                 for b in batches:
                     m(b)
         events = prof.key_averages()
         calls = sum(e.count for e in events)
         total = sum(e.self_cpu_time_total for e in events)
-        print(f"\n== {name}: {total / 1e3 / args.forwards:.2f} ms self CPU per forward, "
-              f"{calls / args.forwards:.0f} operator calls per forward")
-        print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        kernels = ""
+        if cuda:
+            dev_us = sum(e.self_device_time_total for e in events)
+            kernels = f", {dev_us / 1e3 / args.forwards:.2f} ms of GPU kernels"
+        print(f"\n== {name}: {1000 * wall:.2f} ms wall per forward (unprofiled){kernels}, "
+              f"{total / 1e3 / args.forwards:.2f} ms self CPU, {calls / args.forwards:.0f} operator calls per forward")
+        print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.rows))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ Two models:
 - ``deit-s``: the DeiT-S shape (224x224, 196 patches + class token), random weights. Inputs are the bundled
   CIFAR-10 test images upsampled to 224 by DeiT's eval transform, so that images differ in how many patches look
   alike and kept counts vary across a batch.
+- ``vit-b`` (not in the default set): the ViT-B/16 shape (224x224, 197 tokens, 768 wide), random weights, as
+  ``deit-s``: a model large enough to keep a GPU busy.
 - ``cifar``: the CIFAR-10 ViT of ``../shared/models/vit-cifar10`` (65 tokens) on the same images at 32x32; where
   that folder is missing, the package's bundled fp16 copy of it (same architecture, weights rounded to fp16).
 
@@ -54,9 +56,10 @@ SHARED_MODEL = ROOT.parent / "shared" / "models" / "vit-cifar10"
 
 
 def load_model(name: str) -> torch.nn.Module:
-    if name == "deit-s":
+    if name in ("deit-s", "vit-b"):
         torch.manual_seed(0)
-        return timm.create_model("deit_small_patch16_224", pretrained=False).eval()
+        arch = {"deit-s": "deit_small_patch16_224", "vit-b": "vit_base_patch16_224"}[name]
+        return timm.create_model(arch, pretrained=False).eval()
     return timm.create_model(cifar_model_name(), pretrained=True).eval()
 
 
@@ -104,15 +107,19 @@ def kept_counts(model, spec, x: torch.Tensor) -> list[int]:
 
 
 def saved_bytes(model, x: torch.Tensor) -> dict:
-    """Bytes that autograd saves for backward in one forward, split into token x token matrices and the rest."""
+    """Bytes that autograd saves for backward in one forward (the model's own parameters excluded), split into
+    token x token matrices and the rest."""
     B = x.shape[0]
     seen: dict[int, tuple[int, bool]] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}  # saved weights cost no extra memory
 
     def pack(t):
         # token x token matrices: attention (B, H, N, N) or (B*H, N, N), similarities (B, N, N); a storage saved
         # once as such and once as a view of another shape counts as one
         attn_like = t.dim() >= 3 and t.shape[0] % B == 0 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 16
         ptr = t.untyped_storage().data_ptr()
+        if ptr in params:
+            return t
         seen[ptr] = (t.untyped_storage().nbytes(), attn_like or seen.get(ptr, (0, False))[1])
         return t
 
