@@ -17,10 +17,11 @@ import copy
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import ltmp
-from ltmp.train import calibrate
+from ltmp.train import calibrate, rate_schedule
 from speed import load_images, load_model
 
 
@@ -37,11 +38,18 @@ def main() -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dense = load_model(args.model).to(device)
-    red = ltmp.patch(copy.deepcopy(dense), args.method)
+    learned = ltmp.METHODS[args.method][1] == "threshold"
+    red = ltmp.patch(copy.deepcopy(dense), args.method if learned else "ltmp")
     r = calibrate(red, load_images(dense, "train", 64), args.target, device, mode="quantile", iters=12)
     x = load_images(dense, "test", args.forwards * args.batch_size).to(device)
+    if not learned:  # a fixed-rate method at LTMP's GMACs on these images
+        spec = ltmp.vit_spec(dense)
+        with torch.no_grad():
+            red(x)
+        sched = rate_schedule(spec, float(ltmp.gmacs(spec, ltmp.stats(red).kept.cpu()).mean()), args.method)
+        red = ltmp.patch(copy.deepcopy(dense), args.method, **{"r" if args.method == "tome" else "k": sched})
     batches = [x[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.forwards)]
-    print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}")
+    print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}" + ("" if learned else " (LTMP's; matched GMACs)"))
     for name, m in (("dense", dense), (args.method, red)):
         m.eval()
         with torch.no_grad():
@@ -64,7 +72,9 @@ def main() -> None:
         total = sum(e.self_cpu_time_total for e in events)
         kernels = ""
         if cuda:
-            dev_us = sum(e.self_device_time_total for e in events)
+            # kernel events only (the ops that launch them repeat their time), as the table's "Self CUDA" total
+            dev_us = sum(e.self_device_time_total for e in events
+                         if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
             kernels = f", {dev_us / 1e3 / args.forwards:.2f} ms of GPU kernels"
         print(f"\n== {name}: {1000 * wall:.2f} ms wall per forward (unprofiled){kernels}, "
               f"{total / 1e3 / args.forwards:.2f} ms self CPU, {calls / args.forwards:.0f} operator calls per forward")
