@@ -231,8 +231,10 @@ def run_model(name: str, args, device) -> dict:
 def markdown(result: dict) -> str:
     env = result["env"]
     amp = ", bf16 autocast" if env.get("amp") else ""
+    cmd = result["command"].split()  # runs before "singles" was recorded: from the command line
+    singles = result.get("singles", int(cmd[cmd.index("--singles") + 1]) if "--singles" in cmd else 8)
     lines = [f"Measured on: {env['device_name']}{amp}, torch {env['torch']}, timm {env['timm']}. Produced by "
-             f"`{result['command']}`. `ms` is one timed repetition: 8 different images one at a time (batch 1), "
+             f"`{result['command']}`. `ms` is one timed repetition: {singles} different images one at a time (batch 1), "
              f"or one batch of {result['models'][0].get('batch_size', 32)}; medians over interleaved rounds. "
              f"Time and GMACs ratios are to the dense model "
              f"in the same rounds; baselines are matched to LTMP's mean GMACs, `tome@exec` to its executed "
@@ -295,7 +297,7 @@ def main() -> int:
     device = pick_device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"{platform.machine()} CPU ({torch.get_num_threads()} threads)"
-    result = {"command": "python benchmarks/speed.py " + " ".join(sys.argv[1:]),
+    result = {"command": "python benchmarks/speed.py " + " ".join(sys.argv[1:]), "singles": args.singles,
               "env": {"device": str(device), "device_name": name, "threads": torch.get_num_threads(),
                       "torch": torch.__version__, "timm": timm.__version__,
                       "cifar_model": cifar_model_name()},
