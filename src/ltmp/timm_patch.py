@@ -285,7 +285,8 @@ def _identity(t: Tensor) -> Tensor:
 MAX_BUCKETS = 4
 #: Fixed cost of one more attention group, in multiply-accumulates, per device type; a device not listed never
 #: groups. CPU: about 40 operator calls of ~6 us each, at the ~50 GMAC/s attention reaches on the 2-core CPU
-#: of docs/performance.md (tuned there with benchmarks/speed.py). Not measured on GPUs yet.
+#: of docs/performance.md (tuned there with benchmarks/speed.py). No CUDA entry: on an H100 (DeiT-S, batch 32)
+#: 2 or 4 groups made the forward 1.4x / 2x slower than the whole padded batch (benchmarks/grouping.py).
 GROUP_MACS = {"cpu": 12e6}
 
 
