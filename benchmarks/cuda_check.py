@@ -50,6 +50,21 @@ def kept(model) -> torch.Tensor:
     return ltmp.stats(model).kept.cpu()  # (B, L)
 
 
+@torch.no_grad()
+def closest_margin(model, x: torch.Tensor) -> str:
+    """How close the nearest similarity and importance scores come to their block's thresholds: a hard decision
+    this close can flip between devices, thread counts or library versions (float sums in another order)."""
+    cap = model.ltmp_config.capture = []
+    try:
+        model.eval()(x)
+    finally:
+        model.ltmp_config.capture = None
+    th = {n: p.item() for n, p in model.named_parameters() if n.endswith("_threshold")}
+    merge = min(abs(float((s[a] - th[f"blocks.{i}.merge_threshold"]).abs().min())) for i, _, s, a in cap)
+    prune = min(float((imp[imp > 0] - th[f"blocks.{i}.prune_threshold"]).abs().min()) for i, imp, _, _ in cap)
+    return f"similarity {merge:.1e}, importance {prune:.1e} (absolute)"
+
+
 def run(name: str, cuda: torch.device) -> None:
     dense = load_model(name)
     cpu_m = ltmp.patch(copy.deepcopy(dense), "ltmp")
@@ -60,6 +75,7 @@ def run(name: str, cuda: torch.device) -> None:
     y = torch.arange(16) % 10
     xg, yg = x.to(cuda), y.to(cuda)
 
+    print(f"     {name}: closest score to a threshold (eval, CPU): {closest_margin(cpu_m, x)}")
     with torch.no_grad():
         out_c, k_c = cpu_m.eval()(x), kept(cpu_m)
         out_g, k_g = gpu_m.eval()(xg), kept(gpu_m)
