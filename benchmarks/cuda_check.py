@@ -8,8 +8,10 @@ CPU (``calibrate(mode="quantile")``, r_target 0.6) and copied to the GPU, it com
 - train mode: the loss ``CE + budget_loss`` and the gradients that reach the thresholds, CUDA vs CPU in float64
   (same function) and fp32 CUDA against the float64 reference (precision);
 - ToMe (r=4) and top-k pruning (k=4) eval logits, CUDA vs CPU;
-- bf16 autocast on CUDA: eval stays finite and keeps about as many tokens as fp32 (bf16 rounding moves scores
-  across thresholds, so counts and logits differ more than rounding); a train step's threshold gradients are finite.
+- bf16 autocast on CUDA: eval stays finite and keeps about as many tokens as fp32 (within 5%: bf16 activations
+  alone moved the DeiT-S count by 3.7% in a CPU dry run, bf16 similarities had moved it by 14%), the padded batch
+  keeps the same counts as one image at a time (most images: bf16 rounding differs between batch shapes), and a
+  train step's threshold gradients are finite.
 
 Decisions taken right at a threshold can flip between devices (different float rounding); logits are compared on
 the images whose kept counts agree in every block, and the number that differ is printed. Exits 1 if a check fails.
@@ -84,7 +86,8 @@ def run(name: str, cuda: torch.device) -> None:
               f"{int(same.sum())}/16 images identical in all blocks; mean kept last block CPU "
               f"{k_c[:, -1].float().mean():.2f} CUDA {k_g[:, -1].float().mean():.2f}")
         e = rel(out_g[same.to(cuda)], out_c[same])
-        check(f"{name}: eval logits CUDA vs CPU (same counts)", e < 1e-4, f"rel err {e:.2e} (< 1e-4)")
+        check(f"{name}: eval logits CUDA vs CPU (same counts)", int(same.sum()) >= 14 and e < 1e-4,
+              f"rel err {e:.2e} (< 1e-4) over {int(same.sum())} images")
 
         one = [(gpu_m(xg[i:i + 1]), kept(gpu_m)) for i in range(16)]
         singles, k_s = torch.cat([o for o, _ in one]), torch.cat([k for _, k in one])  # (16, classes), (16, L)
@@ -120,10 +123,19 @@ def run(name: str, cuda: torch.device) -> None:
 
     with torch.no_grad(), torch.autocast(cuda.type, dtype=torch.bfloat16):
         out_b = gpu_m.eval()(xg)
-    kb = kept(gpu_m)[:, -1].float().mean()
-    ok = bool(torch.isfinite(out_b).all()) and abs(kb / k_g[:, -1].float().mean() - 1) < 0.1
+    k_b = kept(gpu_m)  # (16, L)
+    kb = k_b[:, -1].float().mean()
+    ok = bool(torch.isfinite(out_b).all()) and abs(kb / k_g[:, -1].float().mean() - 1) < 0.05
     check(f"{name}: bf16 autocast eval (CUDA)", ok, f"finite; mean kept last block {kb:.2f} vs fp32 "
-          f"{k_g[:, -1].float().mean():.2f} (within 10%); logits rel err to fp32 {rel(out_b.float(), out_g):.2e}")
+          f"{k_g[:, -1].float().mean():.2f} (within 5%); logits rel err to fp32 {rel(out_b.float(), out_g):.2e}")
+    k_1 = []
+    with torch.no_grad(), torch.autocast(cuda.type, dtype=torch.bfloat16):
+        for i in range(16):
+            gpu_m(xg[i:i + 1])
+            k_1.append(kept(gpu_m))
+    n = int((torch.cat(k_1) == k_b).all(1).sum())  # (16, L) against (16, L)
+    check(f"{name}: bf16 padded batch vs one at a time: kept counts", n >= 12,
+          f"{n}/16 images identical in all blocks (>= 12; bf16 rounding differs between batch shapes)")
     gpu_m.train()
     gpu_m.zero_grad()
     with torch.autocast(cuda.type, dtype=torch.bfloat16):

@@ -17,47 +17,51 @@ export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo; echo "### $* ($(date +%T))"; }
+FAILED=()
+run() { "$@" || { echo "!!! failed ($?): $*"; FAILED+=("$*"); }; }  # go on, but exit non-zero at the end
 
 step environment
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-$PY -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, torch.cuda.get_device_name())"
+run $PY -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, torch.cuda.get_device_name())"
 
 if want check; then
     step "CUDA == CPU checks"
-    $PY benchmarks/cuda_check.py
+    run $PY benchmarks/cuda_check.py
 fi
 if want speed; then
     step "speed.py on CUDA, fp32 (the CPU run's settings)"
-    $PY benchmarks/speed.py --device cuda --json "$OUT/speed-cuda.json" --out "$OUT/speed-cuda.md"
+    run $PY benchmarks/speed.py --device cuda --json "$OUT/speed-cuda.json" --out "$OUT/speed-cuda.md"
 fi
 if want profile; then
     for m in ltmp tome; do
         step "profile on CUDA: DeiT-S batch 32, $m at r 0.7"
-        $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 --method $m --device cuda
+        run $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 --method $m --device cuda
     done
 fi
 if want vitb; then
     step "speed.py on CUDA, ViT-B shape, bf16 autocast, batch 256"
-    $PY benchmarks/speed.py --device cuda --amp --models vit-b --batch-size 256 --singles 4 --train-batch 64 \
+    run $PY benchmarks/speed.py --device cuda --amp --models vit-b --batch-size 256 --singles 4 --train-batch 64 \
         --json "$OUT/speed-cuda-vitb-bf16.json" --out "$OUT/speed-cuda-vitb-bf16.md"
 fi
 if want bf16; then
     step "speed.py on CUDA, DeiT-S, bf16 autocast, batch 256"
-    $PY benchmarks/speed.py --device cuda --amp --batch-size 256 --train-batch 64 --models deit-s \
+    run $PY benchmarks/speed.py --device cuda --amp --batch-size 256 --train-batch 64 --models deit-s \
         --json "$OUT/speed-cuda-bf16.json" --out "$OUT/speed-cuda-bf16.md"
 fi
 if want cli; then
     step "CLI on CUDA: ltmp bench (ToMe r=4, bundled images)"
-    $PY -m ltmp bench --model local-dir:src/ltmp/assets/vit-cifar10 --pretrained --method tome --r 4 \
+    run $PY -m ltmp bench --model local-dir:src/ltmp/assets/vit-cifar10 --pretrained --method tome --r 4 \
         --batch-size 64 --data-dir src/ltmp/assets/cifar10-subset.tar.gz --val-split test --device cuda \
         --json "$OUT/bench-cuda.json"
     step "CLI on CUDA: torchrun, 1 process, 30 steps, bf16"
-    torchrun --nproc-per-node 1 -m ltmp train --model local-dir:src/ltmp/assets/vit-cifar10 --pretrained \
+    run torchrun --nproc-per-node 1 -m ltmp train --model local-dir:src/ltmp/assets/vit-cifar10 --pretrained \
         --data-dir src/ltmp/assets/cifar10-subset.tar.gz --val-split test --output /tmp/ltmp-train --r-target 0.7 \
-        --steps 30 --batch-size 64 --amp --device cuda --workers 4 && cp /tmp/ltmp-train/eval.json "$OUT/train-eval.json"
+        --steps 30 --batch-size 64 --amp --device cuda --workers 4
+    run cp /tmp/ltmp-train/eval.json "$OUT/train-eval.json"
 fi
 if want grouping; then
     step "grouping on CUDA (off by default there): group cost 1e6 and 1e8 MACs"
-    for g in 1e6 1e8; do $PY benchmarks/grouping.py --device cuda --group-macs $g --models deit-s; done
+    for g in 1e6 1e8; do run $PY benchmarks/grouping.py --device cuda --group-macs $g --models deit-s; done
 fi
 step done
+if ((${#FAILED[@]})); then printf '!!! failed step: %s\n' "${FAILED[@]}"; exit 1; fi

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 
 import torch
@@ -55,20 +56,23 @@ def main() -> None:
         with torch.no_grad():
             for b in batches:
                 m(b)
-            if cuda:
-                torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            for b in batches:
-                m(b)
-            if cuda:
-                torch.cuda.synchronize(device)
-            wall = (time.perf_counter() - t) / args.forwards
+            walls = []
+            for _ in range(5):  # median of 5 unprofiled passes over the batches
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t = time.perf_counter()
+                for b in batches:
+                    m(b)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                walls.append((time.perf_counter() - t) / args.forwards)
+            wall = statistics.median(walls)
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=acts) as prof:
                 for b in batches:
                     m(b)
         events = prof.key_averages()
-        calls = sum(e.count for e in events)
+        calls = sum(e.count for e in events if e.key.startswith("aten::"))  # not kernels, not CUDA runtime calls
         total = sum(e.self_cpu_time_total for e in events)
         kernels = ""
         if cuda:
@@ -77,7 +81,7 @@ def main() -> None:
                          if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
             kernels = f", {dev_us / 1e3 / args.forwards:.2f} ms of GPU kernels"
         print(f"\n== {name}: {1000 * wall:.2f} ms wall per forward (unprofiled){kernels}, "
-              f"{total / 1e3 / args.forwards:.2f} ms self CPU, {calls / args.forwards:.0f} operator calls per forward")
+              f"{total / 1e3 / args.forwards:.2f} ms self CPU, {calls / args.forwards:.0f} aten operator calls per forward")
         print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.rows))
 
 

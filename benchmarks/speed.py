@@ -16,11 +16,12 @@ calibration images of the bundled train split). ToMe and top-k pruning get the p
 LTMP's GMACs (``rate_schedule``); at batch 32 ToMe is also matched to LTMP's *executed* (padded) GMACs.
 
 Timing: ``ltmp.bench.compare_models``: warm-up, then interleaved rounds (dense, ltmp, tome, ...); medians.
-Batch 1 runs 8 different images per repetition (their kept counts differ); batch 32 runs one batch.
+Batch 1 runs ``--singles`` (8) different images per repetition (their kept counts differ); batch 32 runs one batch.
 
 Training: a train-mode forward + backward of the patched model against the unpatched one at the same batch, the
 backbone frozen and the input requiring grad. Memory: bytes saved for backward (``saved_tensors_hooks``), split
-into attention matrices (B, H, N, N) and the rest, and on CUDA the peak allocated memory.
+into token x token matrices (attention probabilities, B x H x N x N) and the rest, and on CUDA the peak allocated
+memory.
 
 Usage::
 
@@ -106,17 +107,17 @@ def kept_counts(model, spec, x: torch.Tensor) -> list[int]:
     return [int(k) + spec.num_prefix for k in ltmp.stats(model).kept[0]]
 
 
-def saved_bytes(model, x: torch.Tensor) -> dict:
+def saved_bytes(model, x: torch.Tensor, n_tokens: int) -> dict:
     """Bytes that autograd saves for backward in one forward (the model's own parameters excluded), split into
-    token x token matrices and the rest."""
+    token x token matrices (n_tokens x n_tokens: train mode keeps every token) and the rest."""
     B = x.shape[0]
     seen: dict[int, tuple[int, bool]] = {}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}  # saved weights cost no extra memory
 
     def pack(t):
-        # token x token matrices: attention (B, H, N, N) or (B*H, N, N), similarities (B, N, N); a storage saved
-        # once as such and once as a view of another shape counts as one
-        attn_like = t.dim() >= 3 and t.shape[0] % B == 0 and t.shape[-1] == t.shape[-2] and t.shape[-1] > 16
+        # token x token matrices: attention (B, H, N, N) or (B*H, N, N), similarities (B, N, N) (not the input
+        # image); a storage saved once as such and once as a view of another shape counts as one
+        attn_like = t.dim() >= 3 and t.shape[0] % B == 0 and t.shape[-1] == t.shape[-2] == n_tokens
         ptr = t.untyped_storage().data_ptr()
         if ptr in params:
             return t
@@ -213,11 +214,12 @@ def run_model(name: str, args, device) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-        mem[k] = saved_bytes(m, xt.detach().requires_grad_(True))
+        mem[k] = saved_bytes(m, xt.detach().requires_grad_(True), spec.num_patches + spec.num_prefix)
         if device.type == "cuda":
             mem[k]["cuda_peak_forward"] = torch.cuda.max_memory_allocated(device) - base
     n_tok = spec.num_patches + spec.num_prefix
-    btc = xt.shape[0] * n_tok * spec.embed_dim * xt.element_size() * spec.depth
+    act_bytes = 2 if args.amp else xt.element_size()  # activations are bf16 under --amp
+    btc = xt.shape[0] * n_tok * spec.embed_dim * act_bytes * spec.depth
     out["train"] = {"batch": xt.shape[0], "timm_ms": 1000 * tt["timm"], "ltmp_ms": 1000 * tt["ltmp-train"],
                     "ratio": tt["ltmp-train"] / tt["timm"], "saved_bytes": mem, "btc_bytes_all_blocks": btc}
     print(f"   train fwd+bwd batch {xt.shape[0]}: timm {1000 * tt['timm']:.1f} ms, ltmp {1000 * tt['ltmp-train']:.1f} "
@@ -259,7 +261,7 @@ def markdown(result: dict) -> str:
         mem = t["saved_bytes"]
         lines += ["", f"Train-mode forward + backward at batch {t['batch']} (backbone frozen, input requires grad): "
                       f"timm {t['timm_ms']:.1f} ms, patched LTMP {t['ltmp_ms']:.1f} ms, ratio **{t['ratio']:.3f}**. "
-                      f"Saved for backward: timm {mem['timm']['attention'] / 2**20:.1f} MiB attention matrices + "
+                      f"Saved for backward: timm {mem['timm']['attention'] / 2**20:.1f} MiB token x token matrices + "
                       f"{mem['timm']['other'] / 2**20:.1f} MiB other; LTMP "
                       f"{mem['ltmp-train']['attention'] / 2**20:.1f} + {mem['ltmp-train']['other'] / 2**20:.1f} MiB "
                       f"(B x T x C x L at this batch: {t['btc_bytes_all_blocks'] / 2**20:.1f} MiB).", ""]

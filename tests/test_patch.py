@@ -102,6 +102,25 @@ def test_batch_equals_single_images(config, method, options):
         assert len(set(kept[:, -1].tolist())) > 1, "images should keep different numbers of tokens"
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_merge_similarities_are_float32_under_autocast(batch, monkeypatch):
+    """bf16 rounds similarities near 1 to steps of 1/256, which moves merge decisions; the single-image path
+    (batch 1) and the batched one must both compare float32 scores with the threshold."""
+    model = patched("cls", "ltmp", THRESHOLDS, dtype=torch.float32).eval()
+    seen = []
+    real = ltmp.ops.cosine_similarity
+
+    def spy(a, b):
+        out = real(a, b)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(ltmp.ops, "cosine_similarity", spy)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(images(batch, torch.float32))
+    assert seen and set(seen) == {torch.float32}, seen
+
+
 def test_train_equals_eval_in_float32():
     """In fp32 decisions agree as long as no score sits within ~1e-5 of its threshold (true for this input)."""
     model = patched("cls", "ltmp", THRESHOLDS, dtype=torch.float32)

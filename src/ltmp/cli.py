@@ -212,8 +212,8 @@ def cmd_bench(args) -> int:
         print(f"batch {bs}: dense {run['dense_ms']:.2f} ms, {result['method']} {run['reduced_ms']:.2f} ms "
               f"(IQR {run['reduced_iqr_ms'][0]:.2f}-{run['reduced_iqr_ms'][1]:.2f}); time ratio "
               f"{run['time_ratio']:.3f}, GMACs ratio {run['gmacs_ratio']:.3f} (executed "
-              f"{run['gmacs_executed_ratio']:.3f}); {run['throughput_reduced']:.1f} vs "
-              f"{run['throughput_dense']:.1f} img/s")
+              f"{run['gmacs_executed_ratio']:.3f}); throughput dense {run['throughput_dense']:.1f}, "
+              f"{result['method']} {run['throughput_reduced']:.1f} img/s")
     print(f"{result['device']}, {result['threads']} threads, torch {result['torch']}")
     if args.json:
         from .thresholds import atomic_write

@@ -198,9 +198,11 @@ def cosine_similarity(a: Tensor, b: Tensor) -> Tensor:
     Returns:
         (B, Na, Nb).
     """
-    dt = torch.promote_types(a.dtype, torch.float32)
-    a, b = a.to(dt), b.to(dt)
-    a, bt = a / a.norm(dim=-1, keepdim=True), (b / b.norm(dim=-1, keepdim=True)).transpose(-1, -2)  # (B, D, Nb)
+    dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    same = b is a
+    a = a.to(dt)
+    a = a / a.norm(dim=-1, keepdim=True)  # (B, Na, D)
+    bt = (a if same else b.to(dt) / b.to(dt).norm(dim=-1, keepdim=True)).transpose(-1, -2)  # (B, D, Nb)
     if _autocast_on(a.device.type):
         with torch.autocast(a.device.type, enabled=False):
             return a @ bt  # (B, Na, Nb)

@@ -234,8 +234,7 @@ def _reduce_single(
                 continue
             if not exporting and ((N - 2 * a0 + 1) // 2 < 1 or N // 2 - P // 2 < 1):
                 continue
-            m = metric[0] / metric[0].norm(dim=-1, keepdim=True)  # (N, D)
-            sim = m[2 * a0::2] @ m[1::2].T  # (Na, Nb)
+            sim = ops.cosine_similarity(metric[:, 2 * a0::2], metric[:, 1::2])[0]  # (Na, Nb)
             if P > 1:
                 sim[:, :P // 2] = float("-inf")  # B columns inside the prefix
             if exporting:  # a -inf column keeps max() defined when set B is empty; it is never selected
