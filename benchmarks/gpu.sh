@@ -9,6 +9,11 @@
 #   grouping attention in groups of similar token counts on CUDA (off by default there)
 # Usage: [STEPS="check speed"] bash benchmarks/gpu.sh OUTDIR   (needs ltmp importable: PYTHONPATH=src:benchmarks)
 # Results go to OUTDIR as they come, so a run cut short still leaves what it finished.
+# How the logs in docs/gpu-run*.log were made, on a machine with torch but another timm and without ../shared:
+#   pip download --no-deps timm==1.0.31 -d .whl; cp -r ../shared/models/vit-cifar10 .gpu/   (here, both carried)
+#   pip install --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks
+#   mkdir -p ../shared/models && cp -r .gpu/vit-cifar10 ../shared/models/; STEPS="..." bash benchmarks/gpu.sh $OUT
+# (without ../shared, speed.py falls back to the package's fp16 copy of the CIFAR model).
 set -u
 OUT=${1:?usage: gpu.sh OUTDIR}
 STEPS=${STEPS:-check speed profile vitb bf16 cli grouping}
