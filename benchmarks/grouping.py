@@ -19,8 +19,8 @@ import torch
 import ltmp
 from ltmp import ops, timm_patch
 from ltmp.bench import compare_models
-from ltmp.train import calibrate, rate_schedule
-from speed import load_images, load_model
+from ltmp.train import calibrate
+from speed import at_gmacs, load_images, load_model
 
 
 class Grouping(torch.nn.Module):
@@ -69,7 +69,7 @@ def main() -> None:
                 ops.plan_buckets = real
             rec = ltmp.stats(red)
             g = float(ltmp.gmacs(spec, rec.kept.cpu()).mean())
-            tome = ltmp.patch(copy.deepcopy(dense), "tome", r=rate_schedule(spec, g)).to(device).eval()
+            tome = at_gmacs(dense, "tome", g)
             models = {"dense": dense, "ltmp, whole batch": Grouping(red, 1), f"ltmp, <= {default} groups":
                       Grouping(red, default), "tome (mean GMACs)": tome}
             t = compare_models(models, [x], warmup=1, reps=1, rounds=args.rounds)

@@ -19,8 +19,8 @@ import torch
 import ltmp
 from ltmp.bench import compare_models
 from ltmp.reduce import ReduceConfig, TokenState, reduce_step
-from ltmp.train import calibrate, rate_schedule
-from speed import load_images, load_model
+from ltmp.train import calibrate
+from speed import at_gmacs, load_images, load_model
 
 
 def per_call_us(fn, n: int) -> float:
@@ -65,7 +65,7 @@ def main() -> None:
     calibrate(red, load_images(dense, "train", 16), 0.7, mode="quantile", iters=8)
     singles = [s[None] for s in load_images(dense, "test", 8)]
     g = statistics.mean(float(ltmp.gmacs(spec, (red.eval()(s), ltmp.stats(red).kept)[1])[0]) for s in singles)
-    tome = ltmp.patch(copy.deepcopy(dense), "tome", r=rate_schedule(spec, g))
+    tome = at_gmacs(dense, "tome", g)
     threads = torch.get_num_threads()
     for n in sorted({1, threads}):
         torch.set_num_threads(n)

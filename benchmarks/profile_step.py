@@ -22,8 +22,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import ltmp
-from ltmp.train import calibrate, rate_schedule
-from speed import load_images, load_model
+from ltmp.train import calibrate
+from speed import at_gmacs, load_images, load_model
 
 
 def main() -> None:
@@ -47,8 +47,7 @@ def main() -> None:
         spec = ltmp.vit_spec(dense)
         with torch.no_grad():
             red(x)
-        sched = rate_schedule(spec, float(ltmp.gmacs(spec, ltmp.stats(red).kept.cpu()).mean()), args.method)
-        red = ltmp.patch(copy.deepcopy(dense), args.method, **{"r" if args.method == "tome" else "k": sched})
+        red = at_gmacs(dense, args.method, float(ltmp.gmacs(spec, ltmp.stats(red).kept.cpu()).mean()))
     batches = [x[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.forwards)]
     print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}" + ("" if learned else " (LTMP's; matched GMACs)"))
     for name, m in (("dense", dense), (args.method, red)):

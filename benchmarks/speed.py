@@ -89,6 +89,13 @@ def gmacs_of(model, spec, x: torch.Tensor) -> tuple[float, float, list[int]]:
         rec.kept[:, -1].tolist()
 
 
+def at_gmacs(dense: torch.nn.Module, method: str, gmacs: float) -> torch.nn.Module:
+    """A fixed-rate method (``tome``, ``topk-prune``, ...) patched onto a copy of ``dense`` with the per-layer
+    schedule whose GMACs come closest to ``gmacs`` (``rate_schedule``), in eval mode."""
+    sched = rate_schedule(ltmp.vit_spec(dense), gmacs, method)
+    return ltmp.patch(copy.deepcopy(dense), method, **{"r" if method == "tome" else "k": sched}).eval()
+
+
 class Cut(torch.nn.Module):
     """The zero-overhead bound at batch 1: the dense model on the token counts LTMP keeps for each image, tokens
     simply cut off after each block's attention (``ltmp.timm_patch.forward_cut``), no reduction step."""
@@ -170,22 +177,17 @@ def run_model(name: str, args, device) -> dict:
         g1 = statistics.mean(gmacs_of(ltmp_m, spec, s)[0] for s in singles)
         gb, gb_exec, spread = gmacs_of(ltmp_m, spec, batch)
 
-        def matched(method: str, g: float) -> torch.nn.Module:
-            sched = rate_schedule(spec, g, method)
-            kw = {"r": sched} if method == "tome" else {"k": sched}
-            return ltmp.patch(copy.deepcopy(dense), method, **kw).eval()
-
         row = {"r_target": target, "r_calibrated": r, "kept_last_block": spread, "batch": {}}
         print(f"-- r_target {target}: calibrated r_FLOPs {r:.3f}; batch-{len(batch)} kept after the last block "
               f"min {min(spread)} / median {statistics.median(spread)} / max {max(spread)}", flush=True)
         for bs, x, g in (("1", singles, g1), (str(len(batch)), batch, gb)):
             # the baselines match LTMP's mean GMACs over these images (and, batched, its executed GMACs)
-            ms = {"dense": dense, "ltmp": ltmp_m.eval(), "tome": matched("tome", g),
-                  "topk-prune": matched("topk-prune", g)}
+            ms = {"dense": dense, "ltmp": ltmp_m.eval(), "tome": at_gmacs(dense, "tome", g),
+                  "topk-prune": at_gmacs(dense, "topk-prune", g)}
             if bs == "1":
                 ms["bound"] = Cut(dense, {s.data_ptr(): kept_counts(ltmp_m, spec, s) for s in singles})
             else:
-                ms["tome@exec"] = matched("tome", gb_exec)
+                ms["tome@exec"] = at_gmacs(dense, "tome", gb_exec)
             t = compare_models(ms, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
             res = {}
             for k, m in ms.items():

@@ -13,6 +13,8 @@ Nothing here knows about timm.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -45,6 +47,11 @@ def _autocast_on(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except TypeError:  # older torch: no device argument
         return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
+def _autocast_off(device_type: str):
+    """A context that runs its matmuls in their inputs' precision, not autocast's (a no-op when autocast is off)."""
+    return torch.autocast(device_type, enabled=False) if _autocast_on(device_type) else contextlib.nullcontext()
 
 
 def masked_attention(
@@ -161,7 +168,7 @@ def importance_scores(probs: Tensor, keep: Tensor | None, kind: str) -> Tensor:
     rows = (keep > 0.5).to(probs.dtype)  # (B, N)
     w = rows / (H * rows.sum(dim=1, keepdim=True))  # (B, N) weight of each query row
     # one pass over the probabilities: (B, 1, H*N) @ (B, H*N, N), in the probabilities' precision (not autocast's)
-    with torch.autocast(probs.device.type, enabled=False):
+    with _autocast_off(probs.device.type):
         return torch.bmm(w[:, None, :].repeat(1, 1, H), probs.reshape(B, H * N, N)).squeeze(1)  # (B, N)
 
 
@@ -199,14 +206,15 @@ def cosine_similarity(a: Tensor, b: Tensor) -> Tensor:
         (B, Na, Nb).
     """
     dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-    same = b is a
-    a = a.to(dt)
-    a = a / a.norm(dim=-1, keepdim=True)  # (B, Na, D)
-    bt = (a if same else b.to(dt) / b.to(dt).norm(dim=-1, keepdim=True)).transpose(-1, -2)  # (B, D, Nb)
-    if _autocast_on(a.device.type):
-        with torch.autocast(a.device.type, enabled=False):
-            return a @ bt  # (B, Na, Nb)
-    return a @ bt  # (B, Na, Nb)
+
+    def unit(t: Tensor) -> Tensor:  # (B, n, D) rows of norm 1, in dt
+        t = t.to(dt)
+        return t / t.norm(dim=-1, keepdim=True)
+
+    ua = unit(a)  # (B, Na, D)
+    ub = ua if b is a else unit(b)  # (B, Nb, D); normalised once when both sides are the same
+    with _autocast_off(a.device.type):
+        return ua @ ub.transpose(-1, -2)  # (B, Na, Nb)
 
 
 def best_match(metric: Tensor, is_a: Tensor, is_b: Tensor) -> tuple[Tensor, Tensor]:
