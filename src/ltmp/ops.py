@@ -34,7 +34,9 @@ def threshold_mask(scores: Tensor, threshold: Tensor, tau: float) -> Tensor:
     Returns:
         Mask of the shape of ``scores``, in the promoted dtype of scores and threshold.
     """
-    hard = (scores > threshold).to(torch.result_type(scores, threshold))  # (...)
+    # torch.result_type(scores, threshold) for a 0-d threshold, in a form torch.compile traces without a break
+    dt = scores.dtype if threshold.dim() == 0 else torch.promote_types(scores.dtype, threshold.dtype)
+    hard = (scores > threshold).to(dt)  # (...)
     if not (torch.is_grad_enabled() and (scores.requires_grad or threshold.requires_grad)):
         return hard
     soft = torch.sigmoid((scores - threshold) / tau)  # (...)

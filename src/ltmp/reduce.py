@@ -5,7 +5,8 @@ the MLP. Train mode keeps every token in the tensor and carries a straight-throu
 ``m^l = m^(l-1) * M(s, theta)``); eval mode removes the tokens (:func:`ltmp.ops.compact`). Both run the masked
 step :func:`reduce_step`, so they make the same decisions; a single image in eval mode runs
 :func:`_reduce_single`, the same step on index lists (fewer operator calls), which the tests hold to the same
-decisions.
+decisions; under ``torch.compile`` it runs the masked step, whose only data-dependent operation is compaction's
+count (one graph break per block instead of one per merge and prune).
 """
 from __future__ import annotations
 
@@ -99,6 +100,13 @@ def is_exporting() -> bool:
     return bool(fn()) if fn is not None else False
 
 
+def is_compiling() -> bool:
+    """True while torch.compile traces the model (``torch.compiler.is_compiling``, torch >= 2.3), but not while
+    torch.export does (which that function also reports: exports take the branch-free batch-1 path instead)."""
+    fn = getattr(torch.compiler, "is_compiling", None) or getattr(torch._dynamo, "is_compiling", None)
+    return fn is not None and bool(fn()) and not is_exporting()
+
+
 def layer_rate(rate: Sequence[int] | None, layer: int) -> int:
     return 0 if rate is None else int(rate[layer])
 
@@ -112,6 +120,7 @@ def reduce_step(
         metric: Tensor | None,
         merge_threshold: Tensor | None,
         prune_threshold: Tensor | None,
+        rate: int | None = None,
 ) -> tuple[Tensor, TokenState, StepResult]:
     """Merge and/or prune the tokens of one block, between attention and MLP.
 
@@ -129,18 +138,20 @@ def reduce_step(
             the method prunes.
         metric: (B, N, D) keys averaged over heads, if the method merges.
         merge_threshold, prune_threshold: Learned thresholds (scalars), for the threshold methods.
+        rate: The fixed-rate methods' tokens for this block, if already looked up (``cfg.rate[layer]``); the
+            patched forward passes it so that compiled blocks guard on the rate, not on the block index.
 
     Returns:
         The new x, the new state, and the step's counts.
     """
     B, N, _ = x.shape
     if B == 1 and state.compact and not state.masked_once and cfg.fit is None and cfg.capture is None \
-            and not torch.is_grad_enabled():
-        return _reduce_single(x, state, cfg, layer, importance, metric, merge_threshold, prune_threshold)
+            and not torch.is_grad_enabled() and not is_compiling():
+        return _reduce_single(x, state, cfg, layer, importance, metric, merge_threshold, prune_threshold, rate)
     P = cfg.num_prefix
     keep, size, source = state.keep, state.size, state.source
     merged = pruned = x.new_zeros(B, dtype=torch.long)
-    rate = layer_rate(cfg.rate, layer)
+    rate = layer_rate(cfg.rate, layer) if rate is None else rate
     for op in cfg.ops:
         if op == "merge":
             if state.compact and keep is state.keep:  # survivors still contiguous: ToMe's even/odd split
@@ -205,6 +216,7 @@ def _reduce_single(
         metric: Tensor | None,
         merge_threshold: Tensor | None,
         prune_threshold: Tensor | None,
+        rate: int | None = None,
 ) -> tuple[Tensor, TokenState, StepResult]:
     """:func:`reduce_step` for one image in eval mode, with index lists instead of (B, N) masks.
 
@@ -217,7 +229,7 @@ def _reduce_single(
     """
     N, P = x.shape[1], cfg.num_prefix
     size, source = state.size, state.source
-    rate = layer_rate(cfg.rate, layer)
+    rate = layer_rate(cfg.rate, layer) if rate is None else rate
     importance = importance[0] if importance is not None else None  # (N,)
     alive = None  # (N,) bool once something is removed
     n_merged, merged_once = 0, state.merged_once

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from . import ops
 from .flops import ViTSpec
-from .reduce import METHODS, ReduceConfig, StepResult, TokenState, initial_state, is_exporting, log_size, reduce_step
+from .reduce import (METHODS, ReduceConfig, StepResult, TokenState, initial_state, is_compiling, is_exporting,
+                     layer_rate, log_size, reduce_step)
 
 SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token' or 'avg' pooling "
              "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*)")
@@ -208,7 +209,7 @@ def _features(model, x: Tensor) -> tuple[Tensor, TokenState]:
     padded = [x.shape[1]]
     sources, keeps = ([], []) if cfg.trace_source else (None, None)
     for i, blk in enumerate(model.blocks):
-        x, state, step = _block(blk, x, state, cfg, i)
+        x, state, step = _block(blk, x, state, cfg, i, layer_rate(cfg.rate, i))
         steps.append(step)
         padded.append(x.shape[1])
         if sources is not None:
@@ -254,10 +255,10 @@ PACK_ABOVE = 0.05
 
 def _packed_index(state: TokenState, always: bool = False) -> Tensor | None:
     """Flat indices of the real tokens of a padded eval batch (B * N -> T), or None when there is no padding to
-    skip (or too little, unless ``always``). Packing makes the token-wise layers cost the batch's *mean* token
-    count instead of its longest."""
+    skip (or too little, unless ``always``; under torch.compile always, so that no guard depends on the counts).
+    Packing makes the token-wise layers cost the batch's *mean* token count instead of its longest."""
     if not (state.compact and state.masked_once) or state.real is None \
-            or (not always and state.real >= (1 - PACK_ABOVE) * state.keep.numel()):
+            or (not (always or is_compiling()) and state.real >= (1 - PACK_ABOVE) * state.keep.numel()):
         return None
     alive = (state.keep > 0.5).flatten()  # (B * N,)
     if hasattr(torch, "nonzero_static"):  # the count is known on the host: no synchronisation
@@ -294,9 +295,10 @@ def _buckets(state: TokenState, attn) -> list[tuple[list[int], int]] | None:
     """Groups of a padded eval batch for attention (:func:`ltmp.ops.plan_buckets`), or None to run it whole.
 
     Only without gradients (``torch.no_grad()``/``inference_mode``, as ``ltmp eval``/``bench`` run), and never
-    while tracing or exporting (the groups depend on the image)."""
+    while tracing, exporting or compiling (the groups depend on the image: each new plan would recompile)."""
     if not (state.compact and state.masked_once) or state.counts is None or is_exporting() \
-            or torch.jit.is_tracing() or torch.is_grad_enabled() or state.keep.device.type not in GROUP_MACS:
+            or torch.jit.is_tracing() or is_compiling() or torch.is_grad_enabled() \
+            or state.keep.device.type not in GROUP_MACS:
         return None
     return ops.plan_buckets(state.counts, 2.0 * attn.attn_dim, GROUP_MACS[state.keep.device.type], MAX_BUCKETS)
 
@@ -376,8 +378,9 @@ def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buc
     return x, importance, metric
 
 
-def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
-    """timm ``Block.forward`` with the reduction step between attention and MLP (paper Figure 2)."""
+def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int, rate: int):
+    """timm ``Block.forward`` with the reduction step between attention and MLP (paper Figure 2); ``rate`` is the
+    fixed-rate methods' tokens for this block (0 for learned thresholds)."""
     attn = blk.attn
     B, N, _ = x.shape
     buckets = _buckets(state, attn) if getattr(attn, "gate", None) is None else None
@@ -386,7 +389,7 @@ def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int):
     else:
         x, importance, metric = _whole_attention(blk, x, state, cfg)
     x, state, step = reduce_step(x, state, cfg, layer, importance, metric, getattr(blk, "merge_threshold", None),
-                                 getattr(blk, "prune_threshold", None))
+                                 getattr(blk, "prune_threshold", None), rate)
     x = _tokenwise(lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))), x, _packed_index(state), x)  # (B, N', C)
     return x, state, step
 

@@ -1,0 +1,70 @@
+"""torch.compile on patched models: the same results as eager, graphs that break only where compaction needs the
+token counts, no recompilation once warm, and a train step that compiles into one graph.
+
+The Dynamo-only ("eager") and AOTAutograd ("aot_eager") backends test what our code controls (tracing, graph
+breaks, guards, the custom autograd Function) in seconds; Inductor's code generation is exercised by
+``benchmarks/speed.py --compile`` and ``ltmp bench --compile``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import ltmp
+from conftest import THRESHOLDS, images, make_model
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+
+
+@pytest.mark.parametrize("name, method, batch", [
+    ("cls", "ltmp", 1), ("cls", "ltmp", 4), ("registers", "ltmp", 4), ("no-cls-avg", "ltpm", 4),
+    ("cls", "tome", 4),
+])
+def test_compiled_eval_matches_eager_and_stops_recompiling(name, method, batch):
+    torch._dynamo.reset()
+    counters.clear()
+    kw = dict(r=[8, 6, 4]) if method == "tome" else THRESHOLDS
+    model = ltmp.patch(make_model(name), method, **kw).eval()
+    cnt = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, backend=cnt, dynamic=True)
+    x = images(8 * batch, seed=3)
+    frames = []
+    with torch.no_grad():
+        for i in range(8):
+            xi = x[i * batch:(i + 1) * batch]
+            got = compiled(xi)
+            kept = ltmp.stats(model).kept.clone()
+            want = model(xi)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+            assert torch.equal(kept, ltmp.stats(model).kept)
+            frames.append(cnt.frame_count)
+    # the first images compile the few variants (first block, padding or not); new images compile nothing: no
+    # guard depends on token counts or on the block index (which would exceed Dynamo's recompile limit at 12 blocks)
+    assert frames[2] == frames[-1], f"new images still compile new graphs: {frames}"
+    reasons = list(counters["graph_break"])
+    assert reasons and all("depend" in r.lower() for r in reasons), reasons  # only compaction's token counts
+
+
+@pytest.mark.parametrize("name", ["cls", "no-cls-avg"])
+def test_compiled_train_step_is_one_graph_with_eager_gradients(name):
+    torch._dynamo.reset()
+    model = ltmp.patch(make_model(name), "ltmp", **THRESHOLDS).train()
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.endswith(ltmp.timm_patch.THRESHOLD_NAMES))
+    x = images(4)
+
+    def step(net):
+        model.zero_grad(set_to_none=True)
+        out = net(x)
+        loss = out.logsumexp(-1).mean() + 10.0 * ltmp.budget_loss(model, 0.5)  # eq. 15, through the record
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        return out.detach(), torch.stack([torch.zeros(()) if g is None else g.detach() for g in grads])
+
+    out_c, grad_c = step(torch.compile(model, backend="aot_eager", fullgraph=True))  # raises on any graph break
+    out_e, grad_e = step(model)
+    torch.testing.assert_close(out_c, out_e, rtol=0, atol=1e-12)
+    assert grad_e.abs().sum() > 0
+    torch.testing.assert_close(grad_c, grad_e, rtol=0, atol=1e-12)
