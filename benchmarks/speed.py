@@ -28,7 +28,9 @@ Usage::
     python benchmarks/speed.py                      # both models, writes docs/speed.md and runs/speed.json
     python benchmarks/speed.py --models cifar --quick
 
-Runs unchanged on CUDA (``--device cuda``, the default when one is present). Never in CI.
+Runs unchanged on CUDA (``--device cuda``, the default when one is present). Never in CI. With ``--compile`` every
+model runs under ``torch.compile`` (the warm-up forwards compile), ratios are to the compiled dense model, and the
+batch-1 ``bound`` row is left out.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ from ltmp.bench import _sync, compare_models
 from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
 from ltmp.thresholds import set_thresholds, threshold_tensors
 from ltmp.timm_patch import forward_cut
-from ltmp.train import calibrate, pick_device, rate_schedule
+from ltmp.train import calibrate, compile_model, pick_device, rate_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MODEL = ROOT.parent / "shared" / "models" / "vit-cifar10"
@@ -184,11 +186,14 @@ def run_model(name: str, args, device) -> dict:
             # the baselines match LTMP's mean GMACs over these images (and, batched, its executed GMACs)
             ms = {"dense": dense, "ltmp": ltmp_m.eval(), "tome": at_gmacs(dense, "tome", g),
                   "topk-prune": at_gmacs(dense, "topk-prune", g)}
-            if bs == "1":
+            if bs == "1" and not args.compile:  # (the bound looks its counts up by input address: eager only)
                 ms["bound"] = Cut(dense, {s.data_ptr(): kept_counts(ltmp_m, spec, s) for s in singles})
-            else:
+            elif bs != "1":
                 ms["tome@exec"] = at_gmacs(dense, "tome", gb_exec)
-            t = compare_models(ms, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
+            timed = ms
+            if args.compile:  # every model alike: dense with static shapes, reduced ones with dynamic shapes
+                timed = {k: compile_model(m, dynamic=k != "dense") for k, m in ms.items()}
+            t = compare_models(timed, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
             res = {}
             for k, m in ms.items():
                 if bs == "1":
@@ -209,7 +214,10 @@ def run_model(name: str, args, device) -> dict:
     patched = frozen(ltmp.patch(copy.deepcopy(dense), "ltmp"))
     set_thresholds(patched, threshold_tensors(ltmp_m))
     xt = batch[:args.train_batch]
-    tt = train_step_time({"timm": plain, "ltmp-train": patched}, xt, reps=args.train_reps, rounds=args.train_rounds)
+    timed = {"timm": plain, "ltmp-train": patched}
+    if args.compile:
+        timed = {k: compile_model(m, dynamic=False) for k, m in timed.items()}
+    tt = train_step_time(timed, xt, reps=args.train_reps, rounds=args.train_rounds)
     mem = {}
     for k, m in (("timm", plain), ("ltmp-train", patched)):
         m.train()
@@ -234,7 +242,8 @@ def run_model(name: str, args, device) -> dict:
 
 def markdown(result: dict) -> str:
     env = result["env"]
-    amp = ", bf16 autocast" if env.get("amp") else ""
+    amp = (", bf16 autocast" if env.get("amp") else "") + (
+        ", every model under torch.compile (dense: static shapes, reduced: dynamic)" if env.get("compiled") else "")
     cmd = result["command"].split()  # runs before "singles" was recorded: from the command line
     singles = result.get("singles", int(cmd[cmd.index("--singles") + 1]) if "--singles" in cmd else 8)
     lines = [f"Measured on: {env['device_name']}{amp}, torch {env['torch']}, timm {env['timm']}. Produced by "
@@ -285,6 +294,8 @@ def main() -> int:
     p.add_argument("--threads", type=int)
     p.add_argument("--device", default="auto")
     p.add_argument("--amp", action="store_true", help="run everything under bf16 autocast (as GPU users deploy)")
+    p.add_argument("--compile", action="store_true",
+                   help="time every model under torch.compile (ratios to the compiled dense model; no bound row)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     p.add_argument("--json", default=str(ROOT / "runs" / "speed.json"))
     p.add_argument("--out", help="write the markdown tables here (e.g. docs/speed.md)")
@@ -307,6 +318,7 @@ def main() -> int:
                       "cifar_model": cifar_model_name()},
               "models": []}
     result["env"]["amp"] = "bf16" if args.amp else ""
+    result["env"]["compiled"] = args.compile
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
         result["models"] = [run_model(m, args, device) for m in args.models.split(",")]
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -295,3 +295,34 @@ def test_resume_refuses_changed_settings_and_fresh_runs_drop_stale_checkpoints(t
     assert code == 2 and "started with batch_size=8, not 4" in err
     assert main(train_args(tiny_model, tiny_data, out, *args)) == 0  # fresh run: the stale checkpoint goes
     assert not (out / "checkpoint.safetensors").exists()
+
+
+def test_compile_flags_compile_both_models_and_train_learns_the_same_thresholds(tiny_model, tiny_data, tmp_path,
+                                                                                monkeypatch):
+    """--compile goes through torch.compile (here with Dynamo's "eager" backend, for speed): bench compiles the dense
+    model with static and the reduced one with dynamic shapes; a compiled training run ends where the eager one does."""
+    calls = []
+    real = torch.compile
+
+    def spy(model, dynamic=None, **kw):
+        calls.append((type(getattr(model, "module", model)).__name__, dynamic))
+        return real(model, dynamic=dynamic, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", spy)
+    out = tmp_path / "bench.json"
+    assert main(["--quiet", "bench", "--model", tiny_model, "--pretrained", "--method", "tome", "--r", "4",
+                 "--batch-size", "4", "--data-dir", str(tiny_data), "--reps", "1", "--rounds", "1", "--warmup", "1",
+                 "--compile", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["compiled"] is True
+    assert calls == [("VisionTransformer", None), ("LTMPVisionTransformer", True)]
+    import torch._dynamo.config as dynamo_config
+
+    assert getattr(dynamo_config, "recompile_limit", getattr(dynamo_config, "cache_size_limit", 0)) >= 64
+    args = ["--steps", "3", "--no-eval", "--seed", "3"]
+    assert main(train_args(tiny_model, tiny_data, tmp_path / "eager", *args)) == 0
+    assert main(train_args(tiny_model, tiny_data, tmp_path / "compiled", *args, "--compile")) == 0
+    assert calls[-1] == ("LTMPVisionTransformer", None)  # train mode: static shapes
+    eager = thresholds_of(tmp_path / "eager" / "thresholds.safetensors")
+    compiled = thresholds_of(tmp_path / "compiled" / "thresholds.safetensors")
+    assert any(v != 0.0 for k, v in eager.items() if k.startswith("prune"))  # the 3 steps moved the thresholds
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)

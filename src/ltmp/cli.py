@@ -64,7 +64,7 @@ def cmd_train(args) -> int:
         steps=args.steps,
         val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
         augment=args.augment, amp=args.amp, seed=args.seed, checkpoint_every=args.checkpoint_every,
-        workers=args.workers, device=args.device, eval_after=not args.no_eval)
+        workers=args.workers, device=args.device, eval_after=not args.no_eval, compile=args.compile)
     result = train(cfg, resume=args.resume, progress=not args.quiet)
     if "thresholds" in result:
         print(f"thresholds: {result['thresholds']}  (steps {result['steps']}, last batch r_FLOPs "
@@ -98,7 +98,7 @@ def cmd_eval(args) -> int:
 
     import ltmp
     from . import data as ldata
-    from .train import create_model, evaluate, pick_device, rate_schedule
+    from .train import compile_model, create_model, evaluate, pick_device, rate_schedule
 
     model = create_model(args.model, args.pretrained, args.checkpoint)
     if args.thresholds:
@@ -117,6 +117,8 @@ def cmd_eval(args) -> int:
     dataset = _eval_set(model, args.data_dir, args.val_split, args.max_images)
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
                         collate_fn=ldata.collate_skip)
+    if args.compile:
+        model = compile_model(model, dynamic=getattr(model, "ltmp_config", None) is not None)
     result = evaluate(model, loader, pick_device(args.device), amp=args.amp, progress=not args.quiet,
                       model_name=args.model)
     result["thresholds"] = args.thresholds
@@ -160,7 +162,7 @@ def cmd_bench(args) -> int:
 
     import ltmp
     from .bench import compare_models
-    from .train import create_model, pick_device
+    from .train import compile_model, create_model, pick_device
 
     device = pick_device(args.device)
     if args.threads:
@@ -184,7 +186,12 @@ def cmd_bench(args) -> int:
                   "each image needs, so pass --data-dir DIR to time real images", file=sys.stderr)
     result = {"model": args.model, "device": str(device), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "machine": platform.machine(), "method": reduced.ltmp_config.method,
-              "inputs": args.data_dir or "random", "gmacs_dense": ltmp.dense_gmacs(spec), "runs": []}
+              "inputs": args.data_dir or "random", "gmacs_dense": ltmp.dense_gmacs(spec), "compiled": args.compile,
+              "runs": []}
+    run_dense, run_reduced = dense, reduced
+    if args.compile:  # both alike; the warm-up forwards compile (the first batch size's take longest)
+        run_dense, run_reduced = compile_model(dense, dynamic=False), compile_model(reduced, dynamic=True)
+        print("ltmp: compiling both models with torch.compile during the warm-up forwards", file=sys.stderr)
     for bs in sorted({1, args.batch_size}):
         x = batch[:bs].to(device)
         with torch.no_grad():
@@ -192,7 +199,7 @@ def cmd_bench(args) -> int:
         rec = ltmp.stats(reduced)
         g_mean = float(ltmp.gmacs(spec, rec.kept.cpu()).mean())
         g_exec = ltmp.gmacs_executed(spec, rec.padded)
-        models = {"dense": dense, "reduced": reduced}
+        models = {"dense": run_dense, "reduced": run_reduced}
         if exported is not None and bs == 1:  # exported programs run one image at a time
             models["exported"] = exported
         t = compare_models(models, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
@@ -214,7 +221,8 @@ def cmd_bench(args) -> int:
               f"{run['time_ratio']:.3f}, GMACs ratio {run['gmacs_ratio']:.3f} (executed "
               f"{run['gmacs_executed_ratio']:.3f}); throughput dense {run['throughput_dense']:.1f}, "
               f"{result['method']} {run['throughput_reduced']:.1f} img/s")
-    print(f"{result['device']}, {result['threads']} threads, torch {result['torch']}")
+    print(f"{result['device']}, {result['threads']} threads, torch {result['torch']}"
+          + (", both models under torch.compile" if args.compile else ""))
     if args.json:
         from .thresholds import atomic_write
 
@@ -443,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     t.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
     t.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
+    t.add_argument("--compile", action="store_true", help="torch.compile the training forward (one graph)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="accuracy, GMACs and token counts of a dense, learned or fixed-rate model")
@@ -458,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--compare", help="eval JSON of another run on the same images: paired McNemar test")
     e.add_argument("--max-images", type=int, help="evaluate N images spread evenly over the split")
     e.add_argument("--json", help="write the full result here")
+    e.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (dynamic shapes for reduced models); the first batches compile")
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="latency at batch 1 and throughput at batch N against the dense model")
@@ -473,6 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, help="torch CPU threads")
     b.add_argument("--device", default="auto")
     b.add_argument("--json", help="write the result here")
+    b.add_argument("--compile", action="store_true",
+                   help="time both models under torch.compile (compiled in the warm-up forwards)")
     b.set_defaults(func=cmd_bench)
 
     v = sub.add_parser("viz", help="per-layer picture of merged groups and pruned patches (Figures 1 and 7)")

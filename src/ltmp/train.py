@@ -66,6 +66,7 @@ class TrainConfig:
     workers: int = 2
     device: str = "auto"
     eval_after: bool = True  # evaluate the trained thresholds on the validation split
+    compile: bool = False  # torch.compile the train step's forward (one graph: train mode keeps every token)
 
 
 # ----------------------------------------------------------------------------------------------- model and set-up
@@ -98,6 +99,25 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
             raise TrainError(f"cannot load checkpoint {checkpoint} ({type(e).__name__}: {msg}); pass a timm, "
                              f"torch or safetensors state dict of {name}") from None
     return model
+
+
+def compile_model(model: nn.Module, dynamic: bool) -> nn.Module:
+    """``torch.compile`` for ``--compile``: ``dynamic=True`` for reduced models in eval mode, whose token counts
+    change from image to image and block to block (graphs break once per block, where compaction reads the counts;
+    no guard depends on them), static shapes otherwise (dense models, train mode). The first batches compile (up to
+    minutes); later ones reuse the graphs. Needs a C++ compiler on CPUs and Triton on GPUs, as torch.compile does.
+
+    Raises Dynamo's per-function recompile limit to at least 64 (default 8): every block of every patched model in
+    the process runs the same block function, and each reduction method, batch size of 1 or more, and the first
+    block (no padding yet) compile their own variant of it; past the limit Dynamo would silently run it eagerly.
+    """
+    if not hasattr(torch, "compile"):
+        raise TrainError(f"--compile needs torch.compile (torch >= 2.0); this is torch {torch.__version__}")
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+    return torch.compile(model, dynamic=True if dynamic else None)
 
 
 def pick_device(name: str) -> torch.device:
@@ -331,6 +351,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     net: nn.Module = model
     if ddp.world > 1:
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile:
+        net = compile_model(net, dynamic=False)
     merge_p = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
     prune_p = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
     groups = [g for g in ({"params": merge_p, "lr": cfg.lr_merge}, {"params": prune_p, "lr": cfg.lr_prune})
