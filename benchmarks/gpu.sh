@@ -7,6 +7,8 @@
 #   bf16     benchmarks/speed.py on DeiT-S, bf16 autocast, batch 256
 #   cli      ltmp bench and a short torchrun training run on CUDA
 #   grouping attention in groups of similar token counts on CUDA (off by default there)
+#   compile  speed.py with every model under torch.compile (Inductor/Triton), fp32 and ViT-B bf16; and a compiled
+#            training run (not in the default STEPS yet: never run on a GPU; see docs/performance.md)
 # Usage: [STEPS="check speed"] bash benchmarks/gpu.sh OUTDIR   (needs ltmp importable: PYTHONPATH=src:benchmarks)
 # Results go to OUTDIR as they come, so a run cut short still leaves what it finished.
 # How the logs in docs/gpu-run*.log were made, on a machine with torch but another timm and without ../shared:
@@ -67,6 +69,21 @@ fi
 if want grouping; then
     step "grouping on CUDA (off by default there): group cost 1e6 and 1e8 MACs"
     for g in 1e6 1e8; do run $PY benchmarks/grouping.py --device cuda --group-macs $g --models deit-s; done
+fi
+if want compile; then
+    step "speed.py on CUDA, every model under torch.compile, fp32 DeiT-S + CIFAR"
+    run $PY benchmarks/speed.py --device cuda --compile --json "$OUT/speed-cuda-compile.json" \
+        --out "$OUT/speed-cuda-compile.md"
+    step "speed.py on CUDA, torch.compile, ViT-B shape, bf16 autocast, batch 256"
+    run $PY benchmarks/speed.py --device cuda --compile --amp --models vit-b --batch-size 256 --singles 4 \
+        --train-batch 64 --json "$OUT/speed-cuda-vitb-bf16-compile.json" --out "$OUT/speed-cuda-vitb-bf16-compile.md"
+    step "CLI on CUDA: ltmp bench --compile and a compiled 30-step training run"
+    run $PY -m ltmp bench --model local-dir:src/ltmp/assets/vit-cifar10 --pretrained --method tome --r 4 \
+        --batch-size 64 --data-dir src/ltmp/assets/cifar10-subset.tar.gz --val-split test --device cuda --compile \
+        --json "$OUT/bench-cuda-compile.json"
+    run $PY -m ltmp train --model local-dir:src/ltmp/assets/vit-cifar10 --pretrained \
+        --data-dir src/ltmp/assets/cifar10-subset.tar.gz --val-split test --output /tmp/ltmp-train-c --r-target 0.7 \
+        --steps 30 --batch-size 64 --amp --device cuda --workers 4 --compile
 fi
 step done
 if ((${#FAILED[@]})); then printf '!!! failed step: %s\n' "${FAILED[@]}"; exit 1; fi
