@@ -7,8 +7,10 @@
 #   bf16     benchmarks/speed.py on DeiT-S, bf16 autocast, batch 256
 #   cli      ltmp bench and a short torchrun training run on CUDA
 #   grouping attention in groups of similar token counts on CUDA (off by default there)
-#   compile  speed.py with every model under torch.compile (Inductor/Triton), fp32 and ViT-B bf16; and a compiled
-#            training run (not in the default STEPS yet: never run on a GPU; see docs/performance.md)
+#   compile  speed.py with every model under torch.compile (Inductor/Triton), fp32; ltmp bench --compile with
+#            learned (calibrated) and ToMe thresholds; a compiled training run
+#   compile-vitb  the same speed.py on the ViT-B shape, bf16 autocast, batch 256
+#            (neither compile step is in the default STEPS yet: never run on a GPU; see docs/performance.md)
 # Usage: [STEPS="check speed"] bash benchmarks/gpu.sh OUTDIR   (needs ltmp importable: PYTHONPATH=src:benchmarks)
 # Results go to OUTDIR as they come, so a run cut short still leaves what it finished.
 # How the logs in docs/gpu-run*.log were made, on a machine with torch but another timm and without ../shared:
@@ -74,16 +76,24 @@ if want compile; then
     step "speed.py on CUDA, every model under torch.compile, fp32 DeiT-S + CIFAR"
     run $PY benchmarks/speed.py --device cuda --compile --json "$OUT/speed-cuda-compile.json" \
         --out "$OUT/speed-cuda-compile.md"
-    step "speed.py on CUDA, torch.compile, ViT-B shape, bf16 autocast, batch 256"
-    run $PY benchmarks/speed.py --device cuda --compile --amp --models vit-b --batch-size 256 --singles 4 \
-        --train-batch 64 --json "$OUT/speed-cuda-vitb-bf16-compile.json" --out "$OUT/speed-cuda-vitb-bf16-compile.md"
-    step "CLI on CUDA: ltmp bench --compile and a compiled 30-step training run"
-    run $PY -m ltmp bench --model local-dir:src/ltmp/assets/vit-cifar10 --pretrained --method tome --r 4 \
-        --batch-size 64 --data-dir src/ltmp/assets/cifar10-subset.tar.gz --val-split test --device cuda --compile \
-        --json "$OUT/bench-cuda-compile.json"
+    step "CLI on CUDA: ltmp bench --compile (calibrated LTMP, then ToMe r=4) and a compiled 30-step training run"
+    M="--model local-dir:src/ltmp/assets/vit-cifar10 --pretrained"
+    D="--data-dir src/ltmp/assets/cifar10-subset.tar.gz --val-split test"
+    run $PY -m ltmp calibrate $M --data-dir src/ltmp/assets/cifar10-subset.tar.gz --r-target 0.7 --device cuda \
+        --output "$OUT/calibrated.safetensors"
+    run $PY -m ltmp bench $M --thresholds "$OUT/calibrated.safetensors" --batch-size 64 $D --device cuda --compile \
+        --json "$OUT/bench-cuda-compile-ltmp.json"
+    run $PY -m ltmp bench $M --method tome --r 4 --batch-size 64 $D --device cuda --compile \
+        --json "$OUT/bench-cuda-compile-tome.json"
     run $PY -m ltmp train --model local-dir:src/ltmp/assets/vit-cifar10 --pretrained \
         --data-dir src/ltmp/assets/cifar10-subset.tar.gz --val-split test --output /tmp/ltmp-train-c --r-target 0.7 \
         --steps 30 --batch-size 64 --amp --device cuda --workers 4 --compile
+    run cp /tmp/ltmp-train-c/eval.json "$OUT/train-compile-eval.json"
+fi
+if want compile-vitb; then
+    step "speed.py on CUDA, torch.compile, ViT-B shape, bf16 autocast, batch 256"
+    run $PY benchmarks/speed.py --device cuda --compile --amp --models vit-b --batch-size 256 --singles 4 \
+        --train-batch 64 --json "$OUT/speed-cuda-vitb-bf16-compile.json" --out "$OUT/speed-cuda-vitb-bf16-compile.md"
 fi
 step done
 if ((${#FAILED[@]})); then printf '!!! failed step: %s\n' "${FAILED[@]}"; exit 1; fi

@@ -251,9 +251,10 @@ def markdown(result: dict) -> str:
              f"or one batch of {result['models'][0].get('batch_size', 32)}; medians over interleaved rounds. "
              f"Time and GMACs ratios are to the dense model "
              f"in the same rounds; baselines are matched to LTMP's mean GMACs, `tome@exec` to its executed "
-             f"(padded) GMACs. `bound` (batch 1): the dense model on LTMP's per-image token counts with "
-             f"tokens simply cut off after each block's attention and no reduction step, the time those counts "
-             f"cost with zero overhead.", ""]
+             f"(padded) GMACs." + ("" if env.get("compiled") else
+                                    " `bound` (batch 1): the dense model on LTMP's per-image token counts with "
+                                    "tokens simply cut off after each block's attention and no reduction step, "
+                                    "the time those counts cost with zero overhead."), ""]
     for m in result["models"]:
         lines += [f"### {m['model']} (dense {m['gmacs_dense']:.4f} GMACs)", "",
                   "| r_target | method | batch | ms | time ratio | GMACs ratio | executed GMACs ratio |",

@@ -17,11 +17,12 @@ CONFIGS = {
 }
 
 
-def make_model(name: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
-    """A random model whose attention is peaked enough for merging and pruning decisions to vary."""
+def make_model(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, **extra) -> torch.nn.Module:
+    """A random model whose attention is peaked enough for merging and pruning decisions to vary (``extra``:
+    further timm arguments, e.g. ``depth``)."""
     entry, overrides = CONFIGS[name]
     torch.manual_seed(seed)
-    model = timm.create_model(entry, **{**BASE, **overrides})
+    model = timm.create_model(entry, **{**BASE, **overrides, **extra})
     with torch.no_grad():
         for blk in model.blocks:
             blk.attn.qkv.weight.mul_(6.0)

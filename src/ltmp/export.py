@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .reduce import exporting
+
 FORMATS = ("export", "onnx", "torchscript")
 
 
@@ -63,7 +65,8 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
     model = _Batch1(model.eval())
     with torch.no_grad():
         if fmt == "export":
-            program = torch.export.export(model, (example,))
+            with exporting():  # the branch-free batch-1 step, whatever torch.compiler.is_exporting says
+                program = torch.export.export(model, (example,))
             torch.export.save(program, str(path))
         elif fmt == "onnx":
             try:
@@ -71,7 +74,8 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
             except ImportError:
                 raise ValueError("ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript") \
                     from None
-            torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=False)
+            with exporting():
+                torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=False)
         else:
             cfg = getattr(model.model, "ltmp_config", None)
             if cfg is not None and cfg.learned:

@@ -10,6 +10,7 @@ count (one graph break per block instead of one per merge and prune).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Sequence
@@ -94,10 +95,32 @@ class StepResult:
     kept_frac: Tensor | int  # (B,) surviving patch tokens, differentiable in train mode (m-bar of eq. 13, times n)
 
 
+_EXPORTING = False  # set by :func:`exporting` (ltmp.export) while torch.export traces a patched model
+
+
+@contextlib.contextmanager
+def exporting():
+    """Mark a torch.export trace of a patched model for :func:`is_exporting` (``ltmp.export`` does)."""
+    global _EXPORTING
+    before, _EXPORTING = _EXPORTING, True
+    try:
+        yield
+    finally:
+        _EXPORTING = before
+
+
+#: torch.compiler.is_exporting tells export from compile only from torch 2.14: before, Dynamo replaced the call by
+#: a constant True, also under torch.compile (pytorch/pytorch#176347, fixed by #176499).
+_TORCH_IS_EXPORTING_EXACT = torch.torch_version.TorchVersion(torch.__version__) >= (2, 14)
+
+
 def is_exporting() -> bool:
-    """True while torch.export traces the model (``torch.compiler.is_exporting``, torch >= 2.6)."""
+    """True while torch.export traces the model: inside :func:`exporting`, or where
+    ``torch.compiler.is_exporting`` says so on torch >= 2.14 (older versions: only through :func:`exporting`)."""
+    if _EXPORTING:
+        return True
     fn = getattr(torch.compiler, "is_exporting", None)
-    return bool(fn()) if fn is not None else False
+    return _TORCH_IS_EXPORTING_EXACT and fn is not None and bool(fn())
 
 
 def is_compiling() -> bool:

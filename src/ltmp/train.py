@@ -117,7 +117,7 @@ def compile_model(model: nn.Module, dynamic: bool) -> nn.Module:
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
-    return torch.compile(model, dynamic=True if dynamic else None)
+    return torch.compile(model, dynamic=dynamic)
 
 
 def pick_device(name: str) -> torch.device:
