@@ -168,13 +168,13 @@ def reduce_step(
         The new x, the new state, and the step's counts.
     """
     B, N, _ = x.shape
+    rate = layer_rate(cfg.rate, layer) if rate is None else rate
     if B == 1 and state.compact and not state.masked_once and cfg.fit is None and cfg.capture is None \
             and not torch.is_grad_enabled() and not is_compiling():
-        return _reduce_single(x, state, cfg, layer, importance, metric, merge_threshold, prune_threshold, rate)
+        return _reduce_single(x, state, cfg, importance, metric, merge_threshold, prune_threshold, rate)
     P = cfg.num_prefix
     keep, size, source = state.keep, state.size, state.source
     merged = pruned = x.new_zeros(B, dtype=torch.long)
-    rate = layer_rate(cfg.rate, layer) if rate is None else rate
     for op in cfg.ops:
         if op == "merge":
             if state.compact and keep is state.keep:  # survivors still contiguous: ToMe's even/odd split
@@ -234,12 +234,11 @@ def _reduce_single(
         x: Tensor,
         state: TokenState,
         cfg: ReduceConfig,
-        layer: int,
         importance: Tensor | None,
         metric: Tensor | None,
         merge_threshold: Tensor | None,
         prune_threshold: Tensor | None,
-        rate: int | None = None,
+        rate: int,
 ) -> tuple[Tensor, TokenState, StepResult]:
     """:func:`reduce_step` for one image in eval mode, with index lists instead of (B, N) masks.
 
@@ -252,7 +251,6 @@ def _reduce_single(
     """
     N, P = x.shape[1], cfg.num_prefix
     size, source = state.size, state.source
-    rate = layer_rate(cfg.rate, layer) if rate is None else rate
     importance = importance[0] if importance is not None else None  # (N,)
     alive = None  # (N,) bool once something is removed
     n_merged, merged_once = 0, state.merged_once
