@@ -239,7 +239,7 @@ def test_similarity_scores_stay_in_float32_under_autocast():
     ref, ref_dst, _ = ops.best_match_contiguous(metric.double(), keep.double(), 1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         score, dst, _ = ops.best_match_contiguous(metric, keep, 1)
-        sim = ops.cosine_similarity(metric, metric)
+        sim = ops.cosine_similarity(metric)
     assert score.dtype == sim.dtype == torch.float32
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(score)) and torch.equal(dst, ref_dst)

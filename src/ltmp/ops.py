@@ -196,27 +196,21 @@ def bipartite_sets(keep: Tensor, num_prefix: int) -> tuple[Tensor, Tensor]:
     return mergeable & even, mergeable & ~even
 
 
-def cosine_similarity(a: Tensor, b: Tensor) -> Tensor:
-    """Cosine similarity of every row of ``a`` with every row of ``b``, in at least float32 also under autocast:
-    merge decisions compare these scores with a threshold (eq. 1), and bf16 rounds them to steps of 1/256 near 1,
-    where similar tokens lie, so whole groups of scores would tie at a threshold.
+def cosine_similarity(metric: Tensor, first_a: int | None = None) -> Tensor:
+    """Cosine similarities between the rows of ``metric``, in at least float32 also under autocast: merge
+    decisions compare these scores with a threshold (eq. 1), and bf16 rounds them to steps of 1/256 near 1, where
+    similar tokens lie, so whole groups of scores would tie at a threshold.
 
     Args:
-        a, b: (B, Na, D) and (B, Nb, D).
-
-    Returns:
-        (B, Na, Nb).
+        metric: (B, N, D) or (N, D), one row per token (rows are normalised once).
+        first_a: None: every row with every row (..., N, N). Else ToMe's split of contiguous tokens: rows
+            ``first_a, first_a + 2, ...`` (set A) with the odd rows (set B), (..., Na, Nb).
     """
-    dt = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-
-    def unit(t: Tensor) -> Tensor:  # (B, n, D) rows of norm 1, in dt
-        t = t.to(dt)
-        return t / t.norm(dim=-1, keepdim=True)
-
-    ua = unit(a)  # (B, Na, D)
-    ub = ua if b is a else unit(b)  # (B, Nb, D); normalised once when both sides are the same
-    with _autocast_off(a.device.type):
-        return ua @ ub.transpose(-1, -2)  # (B, Na, Nb)
+    u = metric.to(torch.promote_types(metric.dtype, torch.float32))
+    u = u / u.norm(dim=-1, keepdim=True)  # (..., N, D) rows of norm 1
+    a, b = (u, u) if first_a is None else (u[..., first_a::2, :], u[..., 1::2, :])  # (..., Na, D), (..., Nb, D)
+    with _autocast_off(u.device.type):  # bmm/mm, not matmul: its folding would guard on whether N is even
+        return torch.bmm(a, b.transpose(1, 2)) if u.dim() == 3 else torch.mm(a, b.T)  # (..., Na, Nb)
 
 
 def best_match(metric: Tensor, is_a: Tensor, is_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -230,7 +224,7 @@ def best_match(metric: Tensor, is_a: Tensor, is_b: Tensor) -> tuple[Tensor, Tens
         ``score`` (B, N), -inf outside set A or where B is empty; ``dst`` (B, N) index of the best B token
         (the first one on ties).
     """
-    sim = cosine_similarity(metric, metric)  # (B, N, N)
+    sim = cosine_similarity(metric)  # (B, N, N)
     sim = sim.masked_fill(~is_b[:, None, :], float("-inf"))
     score, dst = sim.max(dim=-1)  # (B, N), (B, N)
     score = score.masked_fill(~is_a, float("-inf"))
@@ -255,7 +249,7 @@ def best_match_contiguous(metric: Tensor, keep: Tensor, num_prefix: int) -> tupl
     B, N, _ = metric.shape
     pos = torch.arange(N, device=metric.device)
     alive = (keep > 0.5) & (pos >= num_prefix)  # (B, N) mergeable survivors
-    sim = cosine_similarity(metric[:, ::2], metric[:, 1::2])  # (B, Na, Nb)
+    sim = cosine_similarity(metric, first_a=0)  # (B, Na, Nb)
     sim = sim.masked_fill(~alive[:, None, 1::2], float("-inf"))
     if sim.shape[-1] == 0:  # a single token left: nothing to merge into
         best, j = sim.new_full(sim.shape[:2], float("-inf")), torch.zeros(sim.shape[:2], dtype=torch.long,
@@ -363,7 +357,8 @@ def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor 
     B, N = alive.shape
     if B == 1:
         idx = alive[0].nonzero().squeeze(1)  # (N',)  the one host synchronisation compaction needs
-        return keep.new_ones(1, idx.shape[0]), [None if t is None else t[:, idx] for t in tensors], [idx.shape[0]]
+        out = [None if t is None else t.index_select(1, idx) for t in tensors]  # (1, N', ...) each
+        return keep.new_ones(1, idx.shape[0]), out, [idx.shape[0]]
     counts = alive.sum(dim=1)  # (B,)
     host = counts.tolist()  # the one host synchronisation compaction needs
     n_new = max(host)

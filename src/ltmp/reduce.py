@@ -259,15 +259,16 @@ def _reduce_single(
         if op == "merge":
             if alive is not None:  # ltpm: pruned tokens leave first, so that A/B alternate over the survivors
                 idx = alive.nonzero().squeeze(1)  # (N',)
-                x, size, metric, importance = x[:, idx], size[:, idx], metric[:, idx], importance[idx]
-                source = None if source is None else source[:, idx]
+                x, size, metric = (t.index_select(1, idx) for t in (x, size, metric))
+                importance = importance.index_select(0, idx)
+                source = None if source is None else source.index_select(1, idx)
                 alive, N = None, idx.shape[0]
             a0 = (P + 1) // 2  # first set-A row past the prefix (A: even positions, B: odd positions)
             if not cfg.learned and rate == 0:
                 continue
             if not exporting and ((N - 2 * a0 + 1) // 2 < 1 or N // 2 - P // 2 < 1):
                 continue
-            sim = ops.cosine_similarity(metric[:, 2 * a0::2], metric[:, 1::2])[0]  # (Na, Nb)
+            sim = ops.cosine_similarity(metric[0], first_a=2 * a0)  # (Na, Nb)
             if P > 1:
                 sim[:, :P // 2] = float("-inf")  # B columns inside the prefix
             if exporting:  # a -inf column keeps max() defined when set B is empty; it is never selected
@@ -282,12 +283,11 @@ def _reduce_single(
                 sel = best.topk(k).indices if exporting else best.sort(descending=True, stable=True).indices[:k]
             if not exporting and sel.shape[0] == 0:
                 continue
-            src, dst = 2 * sel + 2 * a0, 2 * j[sel] + 1  # (M,) positions merged away, and their destinations
+            src, dst = 2 * sel + 2 * a0, 2 * j.index_select(0, sel) + 1  # (M,) positions merged away, their targets
             x, size, source = _merge_single(x, size, source, src, dst)
             if importance is not None:
-                importance = importance.scatter_reduce(0, dst, importance[src], "amax")
-            alive = torch.ones(N, dtype=torch.bool, device=x.device)
-            alive[src] = False
+                importance = importance.scatter_reduce(0, dst, importance.index_select(0, src), "amax")
+            alive = torch.ones(N, dtype=torch.bool, device=x.device).index_fill_(0, src, 0)  # (N,)
             n_merged, merged_once = src.shape[0], True
         else:
             if cfg.learned:
@@ -314,8 +314,8 @@ def _reduce_single(
     if alive is not None:
         idx = alive.nonzero().squeeze(1)  # (N',)
         if exporting or idx.shape[0] < N:
-            x, size = x[:, idx], size[:, idx]
-            source = None if source is None else source[:, idx]
+            x, size = x.index_select(1, idx), size.index_select(1, idx)
+            source = None if source is None else source.index_select(1, idx)
     n_kept = x.shape[1] - P
     n_pruned = N - P - n_merged - n_kept
     result = StepResult(merged=n_merged, pruned=n_pruned, kept=n_kept, kept_frac=n_kept)
@@ -328,12 +328,12 @@ def _merge_single(x: Tensor, size: Tensor, source: Tensor | None, src: Tensor, d
     dt = torch.promote_types(x.dtype, size.dtype)
     s = size[0]  # (N,)
     xw = (x[0] if x.dtype == dt else x[0].to(dt)) * s[:, None]  # (N, C) size-weighted tokens
-    num = xw.index_add(0, dst, xw[src])  # (N, C)
-    den = s.index_add(0, dst, s[src])  # (N,)
-    merged = num[dst] / den[dst, None]  # (M, C); tokens that receive nothing stay bit-identical
+    num = xw.index_add(0, dst, xw.index_select(0, src))  # (N, C)
+    den = s.index_add(0, dst, s.index_select(0, src))  # (N,)
+    merged = num.index_select(0, dst) / den.index_select(0, dst)[:, None]  # (M, C); the others stay bit-identical
     x = x[0].index_put((dst,), merged if merged.dtype == x.dtype else merged.to(x.dtype))[None]  # (1, N, C)
     if source is not None:
-        source = source[0].index_add(0, dst, source[0, src])[None]
+        source = source[0].index_add(0, dst, source[0].index_select(0, src))[None]
     return x, den[None], source
 
 

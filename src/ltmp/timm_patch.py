@@ -272,7 +272,7 @@ def _tokenwise(fn, x: Tensor, idx: Tensor | None, residual: Tensor | None = None
     if idx is None:
         return fn(x) if residual is None else residual + fn(x)
     B, N, _ = x.shape
-    out = fn(x.reshape(B * N, -1)[idx])  # (T, C')
+    out = fn(x.reshape(B * N, -1).index_select(0, idx))  # (T, C')
     if residual is not None:  # one pass: the residual stream with the real tokens' outputs added in
         return residual.reshape(B * N, -1).index_add(0, idx, out.to(residual.dtype)).view(B, N, -1)  # (B, N, C')
     return out.new_zeros(B * N, out.shape[-1]).index_copy_(0, idx, out).view(B, N, -1)  # (B, N, C')
@@ -344,7 +344,7 @@ def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buc
     dev = x.device
     idx = _packed_index(state, always=True)  # (T,)
     T = idx.shape[0]
-    qkv = attn.qkv(blk.norm1(x.reshape(B * N, C)[idx]))  # (T, 3 * H * D)
+    qkv = attn.qkv(blk.norm1(x.reshape(B * N, C).index_select(0, idx)))  # (T, 3 * H * D)
     ls = log_size(state)
     starts = [0]
     for c in state.counts[:-1]:
@@ -359,7 +359,7 @@ def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buc
         pos = torch.arange(n, device=dev)  # (n,)
         real = pos < count[:, None]  # (b, n)
         at = start[:, None] + torch.minimum(pos, count[:, None] - 1)  # (b, n) packed row of each position
-        g = qkv[at].view(len(rows), n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
+        g = qkv.index_select(0, at.flatten()).view(len(rows), n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
         q, k, v = g.unbind(0)  # (b, H, n, D) each
         q, k = attn.q_norm(q), attn.k_norm(k)
         padded = not all(state.counts[i] == n for i in rows)
