@@ -18,7 +18,7 @@ import torch
 
 import ltmp
 from ltmp import ops, timm_patch
-from ltmp.bench import compare_models
+from ltmp.bench import compare_models, paired_ratio
 from ltmp.train import calibrate
 from speed import at_gmacs, load_images, load_model
 
@@ -79,7 +79,8 @@ def main() -> None:
                   f"{ltmp.gmacs_executed(spec, rec.padded) / ltmp.dense_gmacs(spec):.3f}; groups per block "
                   f"{groups}")
             for k, v in t.items():
-                print(f"   {k:<20} {1000 * v['median']:8.2f} ms  time ratio {v['median'] / t['dense']['median']:.3f}")
+                ratio = paired_ratio(t, k, "dense")["median"]
+                print(f"   {k:<20} {1000 * v['median']:8.2f} ms  time ratio {ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where batch-1 time goes besides arithmetic (the numbers behind docs/performance.md, "Why batch 1 ...").
 
-1. One reduction step in isolation at the DeiT-S shape (197 tokens, 384 channels, 6 heads).
+1. One reduction step in isolation at the DeiT-S shape (197 tokens, 384 channels, 6 heads), at 1 and N threads.
 2. GEMM scaling: a 384 -> 1536 linear at 98 and 197 tokens, and at a fixed vs varying token count.
 3. LTMP (calibrated to r_FLOPs 0.7 on 16 images) and ToMe at the same GMACs against dense, 8 images at batch 1,
    with 1 and with 2 threads.
@@ -17,7 +17,7 @@ import time
 import torch
 
 import ltmp
-from ltmp.bench import compare_models
+from ltmp.bench import compare_models, paired_ratio
 from ltmp.reduce import ReduceConfig, TokenState, reduce_step
 from ltmp.train import calibrate
 from speed import at_gmacs, load_images, load_model
@@ -41,9 +41,14 @@ def main() -> None:
     state = TokenState(size=torch.ones(1, N), keep=torch.ones(1, N), compact=True)
     cfg = ReduceConfig(method="ltmp")
     mt, pt = torch.tensor(0.3), torch.tensor(0.5 / N)
-    us = per_call_us(lambda: reduce_step(x, state, cfg, 0, importance, metric, mt, pt), 500)
     kept = reduce_step(x, state, cfg, 0, importance, metric, mt, pt)[0].shape[1]
-    print(f"1. one LTMP reduction step, batch 1, DeiT-S shape ({N} -> {kept} tokens): {us:.0f} us")
+    threads = torch.get_num_threads()
+    for n in sorted({1, threads}):  # its operators are small: a second thread can cost more than it saves
+        torch.set_num_threads(n)
+        us = statistics.median(
+            per_call_us(lambda: reduce_step(x, state, cfg, 0, importance, metric, mt, pt), 200) for _ in range(5))
+        print(f"1. one LTMP reduction step, batch 1, DeiT-S shape ({N} -> {kept} tokens), {n} thread(s): {us:.0f} us")
+    torch.set_num_threads(threads)
 
     lin = torch.nn.Linear(384, 1536)
     xs = {m: torch.randn(1, m, 384) for m in range(90, 200)}
@@ -66,12 +71,11 @@ def main() -> None:
     singles = [s[None] for s in load_images(dense, "test", 8)]
     g = statistics.mean(float(ltmp.gmacs(spec, (red.eval()(s), ltmp.stats(red).kept)[1])[0]) for s in singles)
     tome = at_gmacs(dense, "tome", g)
-    threads = torch.get_num_threads()
     for n in sorted({1, threads}):
         torch.set_num_threads(n)
         t = compare_models({"dense": dense, "ltmp": red, "tome": tome}, singles, warmup=1, reps=1, rounds=6)
         print(f"3. {n} thread(s), batch 1, GMACs ratio {g / ltmp.dense_gmacs(spec):.3f}: time ratio LTMP "
-              f"{t['ltmp']['median'] / t['dense']['median']:.3f}, ToMe {t['tome']['median'] / t['dense']['median']:.3f}"
+              f"{paired_ratio(t, 'ltmp', 'dense')['median']:.3f}, ToMe {paired_ratio(t, 'tome', 'dense')['median']:.3f}"
               f" (dense {1000 * t['dense']['median'] / len(singles):.1f} ms per image)")
     torch.set_num_threads(threads)
 

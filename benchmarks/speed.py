@@ -15,8 +15,10 @@ per-layer quantiles that merge a fraction f of set A and prune f/2 of the rest, 
 calibration images of the bundled train split). ToMe and top-k pruning get the per-layer schedules closest to
 LTMP's GMACs (``rate_schedule``); at batch 32 ToMe is also matched to LTMP's *executed* (padded) GMACs.
 
-Timing: ``ltmp.bench.compare_models``: warm-up, then interleaved rounds (dense, ltmp, tome, ...); medians.
-Batch 1 runs ``--singles`` (8) different images per repetition (their kept counts differ); batch 32 runs one batch.
+Timing: ``ltmp.bench.compare_models``: warm-up, then interleaved rounds (dense, ltmp, tome, ..., each round starting
+one model later); ``ms`` is the median repetition, a time ratio the median over rounds of that round's ratio
+(``ltmp.bench.paired_ratio``: a slow spell of the machine cancels); LTMP over ToMe likewise. Batch 1 runs
+``--singles`` (8) different images per repetition (their kept counts differ); batch 32 runs one batch.
 
 Training: a train-mode forward + backward of the patched model against the unpatched one at the same batch, the
 backbone frozen and the input requiring grad. Memory: bytes saved for backward (``saved_tensors_hooks``), split
@@ -48,7 +50,7 @@ import torch
 
 import ltmp
 from ltmp import data as ldata
-from ltmp.bench import _sync, compare_models
+from ltmp.bench import _sync, compare_models, paired_ratio
 from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
 from ltmp.thresholds import set_thresholds, threshold_tensors
 from ltmp.timm_patch import forward_cut
@@ -201,13 +203,19 @@ def run_model(name: str, args, device) -> dict:
                     g_exec = g
                 else:
                     g, g_exec, _ = gmacs_of(m, spec, x)
+                ratio = paired_ratio(t, k, "dense")
                 res[k] = {"ms": 1000 * t[k]["median"], "iqr_ms": [1000 * t[k]["p25"], 1000 * t[k]["p75"]],
-                          "time_ratio": t[k]["median"] / t["dense"]["median"], "gmacs_ratio": g / g_dense,
+                          "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
+                          "gmacs_ratio": g / g_dense,
                           "gmacs_executed_ratio": g_exec / g_dense}
                 print(f"   batch {bs:>2} {k:<10} {res[k]['ms']:9.2f} ms  time {res[k]['time_ratio']:.3f}  "
                       f"GMACs {res[k]['gmacs_ratio']:.3f} (executed {res[k]['gmacs_executed_ratio']:.3f})",
                       flush=True)
             row["batch"][bs] = res
+            row.setdefault("ltmp_vs", {})[bs] = vs = {b: paired_ratio(t, "ltmp", b) for b in ("tome", "tome@exec")
+                                                       if b in t}
+            print("   batch {:>2} ltmp / ".format(bs) + ", ltmp / ".join(
+                f"{b} {v['median']:.3f} (IQR {v['p25']:.3f}-{v['p75']:.3f})" for b, v in vs.items()), flush=True)
         out["targets"].append(row)
     # training cost and memory, with the thresholds of the last target
     plain = frozen(copy.deepcopy(dense))
@@ -249,12 +257,12 @@ def markdown(result: dict) -> str:
     lines = [f"Measured on: {env['device_name']}{amp}, torch {env['torch']}, timm {env['timm']}. Produced by "
              f"`{result['command']}`. `ms` is one timed repetition: {singles} different images one at a time (batch 1), "
              f"or one batch of {result['models'][0].get('batch_size', 32)}; medians over interleaved rounds. "
-             f"Time and GMACs ratios are to the dense model "
-             f"in the same rounds; baselines are matched to LTMP's mean GMACs, `tome@exec` to its executed "
-             f"(padded) GMACs." + ("" if env.get("compiled") else
-                                    " `bound` (batch 1): the dense model on LTMP's per-image token counts with "
-                                    "tokens simply cut off after each block's attention and no reduction step, "
-                                    "the time those counts cost with zero overhead."), ""]
+             f"Time and GMACs ratios are to the dense model; a time ratio is the median over rounds of that "
+             f"round's ratio (quartiles in brackets where recorded), so that a slow spell of the machine cancels; "
+             f"baselines are matched to LTMP's mean GMACs, `tome@exec` to its executed (padded) GMACs."
+             + ("" if env.get("compiled") else " `bound` (batch 1): the dense model on LTMP's per-image token counts "
+                "with tokens simply cut off after each block's attention and no reduction step, the time those "
+                "counts cost with zero overhead."), ""]
     for m in result["models"]:
         lines += [f"### {m['model']} (dense {m['gmacs_dense']:.4f} GMACs)", "",
                   "| r_target | method | batch | ms | time ratio | GMACs ratio | executed GMACs ratio |",
@@ -264,11 +272,17 @@ def markdown(result: dict) -> str:
                 for k, v in res.items():
                     if k == "dense":
                         continue
-                    lines.append(f"| {row['r_target']} | {k} | {bs} | {v['ms']:.2f} | {v['time_ratio']:.3f} | "
+                    iqr = " ({:.3f}-{:.3f})".format(*v["time_ratio_iqr"]) if "time_ratio_iqr" in v else ""
+                    lines.append(f"| {row['r_target']} | {k} | {bs} | {v['ms']:.2f} | {v['time_ratio']:.3f}{iqr} | "
                                  f"{v['gmacs_ratio']:.3f} | {v['gmacs_executed_ratio']:.3f} |")
             big = list(row["batch"])[-1]
             lines.append(f"| {row['r_target']} | dense | 1 / {big} | {row['batch']['1']['dense']['ms']:.2f} / "
                          f"{row['batch'][big]['dense']['ms']:.2f} | 1 | 1 | 1 |")
+        vs = [f"r {row['r_target']} batch {bs}: " + ", ".join(
+            f"/ {b} {v['median']:.3f} ({v['p25']:.3f}-{v['p75']:.3f})" for b, v in per.items())
+            for row in m["targets"] for bs, per in row.get("ltmp_vs", {}).items()]
+        if vs:
+            lines += ["", "LTMP's time over the baselines', round by round (median, quartiles): " + "; ".join(vs) + "."]
         t = m["train"]
         mem = t["saved_bytes"]
         lines += ["", f"Train-mode forward + backward at batch {t['batch']} (backbone frozen, input requires grad): "

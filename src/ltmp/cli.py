@@ -161,7 +161,7 @@ def cmd_bench(args) -> int:
     import torch
 
     import ltmp
-    from .bench import compare_models
+    from .bench import compare_models, paired_ratio
     from .train import compile_model, create_model, pick_device
 
     device = pick_device(args.device)
@@ -203,16 +203,17 @@ def cmd_bench(args) -> int:
         if exported is not None and bs == 1:  # exported programs run one image at a time
             models["exported"] = exported
         t = compare_models(models, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
+        ratio = paired_ratio(t, "reduced", "dense")  # round by round: drift of the machine cancels
         run = {"batch_size": bs, "dense_ms": 1000 * t["dense"]["median"], "reduced_ms": 1000 * t["reduced"]["median"],
                "dense_iqr_ms": [1000 * t["dense"]["p25"], 1000 * t["dense"]["p75"]],
                "reduced_iqr_ms": [1000 * t["reduced"]["p25"], 1000 * t["reduced"]["p75"]],
-               "time_ratio": t["reduced"]["median"] / t["dense"]["median"],
+               "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
                "gmacs": g_mean, "gmacs_ratio": g_mean / result["gmacs_dense"],
                "gmacs_executed": g_exec, "gmacs_executed_ratio": g_exec / result["gmacs_dense"],
                "throughput_dense": bs / t["dense"]["median"], "throughput_reduced": bs / t["reduced"]["median"]}
         if "exported" in t:
             run["exported_ms"] = 1000 * t["exported"]["median"]
-            run["exported_time_ratio"] = t["exported"]["median"] / t["dense"]["median"]
+            run["exported_time_ratio"] = paired_ratio(t, "exported", "dense")["median"]
             print(f"batch 1: exported {args.exported} {run['exported_ms']:.2f} ms, time ratio "
                   f"{run['exported_time_ratio']:.3f}")
         result["runs"].append(run)

@@ -1,0 +1,33 @@
+"""Timing helpers of ltmp.bench: interleaved rounds and time ratios paired round by round."""
+import pytest
+import torch
+
+from ltmp.bench import compare_models, paired_ratio
+
+
+class Recorder(torch.nn.Module):
+    def __init__(self, name: str, log: list):
+        super().__init__()
+        self.name, self.log = name, log
+
+    def forward(self, x):
+        self.log.append(self.name)
+        return x
+
+
+def test_compare_models_starts_each_round_one_model_later():
+    log = []
+    models = {k: Recorder(k, log) for k in "abc"}
+    t = compare_models(models, torch.zeros(1), warmup=0, reps=1, rounds=4)
+    assert log == list("abc" "bca" "cab" "abc")  # no model always runs first (or right after the same one)
+    assert all(len(v["times"]) == v["reps"] == 4 for v in t.values())
+
+
+def test_paired_ratio_is_the_median_of_each_rounds_ratio():
+    # a slow spell in round 3 (4 s dense) slowed the reduced model alike (2 s): its ratio is 0.5 like round 1's;
+    # a ratio of the two medians (1.5 / 2) would mix rounds
+    timed = {"dense": {"times": [1.0, 2.0, 4.0]}, "reduced": {"times": [0.5, 1.5, 2.0]}}
+    r = paired_ratio(timed, "reduced", "dense")
+    assert r["median"] == 0.5 and r["p25"] <= 0.5 <= r["p75"] == pytest.approx(0.75)
+    single = paired_ratio({"a": {"times": [3.0]}, "b": {"times": [2.0]}}, "a", "b")
+    assert single == {"median": 1.5, "p25": 1.5, "p75": 1.5}
