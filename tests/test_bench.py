@@ -19,8 +19,16 @@ def test_compare_models_starts_each_round_one_model_later():
     log = []
     models = {k: Recorder(k, log) for k in "abc"}
     t = compare_models(models, torch.zeros(1), warmup=0, reps=1, rounds=4)
-    assert log == list("abc" "bca" "cab" "abc")  # no model always runs first (or right after the same one)
+    assert log == list("abc" "bca" "cab" "abc")  # no model always runs first
     assert all(len(v["times"]) == v["reps"] == 4 for v in t.values())
+
+
+def test_compare_models_keeps_repetitions_of_one_round_at_the_same_positions():
+    log = []
+    models = {k: Recorder(k, log) for k in "ab"}
+    t = compare_models(models, torch.zeros(1), warmup=0, reps=2, rounds=2)
+    assert log == list("aabb" "bbaa")  # times[i] of every model: round i // reps, so paired_ratio pairs in-round
+    assert [len(v["times"]) for v in t.values()] == [4, 4]
 
 
 def test_paired_ratio_is_the_median_of_each_rounds_ratio():

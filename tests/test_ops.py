@@ -267,3 +267,18 @@ def test_single_image_attention_path_equals_the_general_one(sized):
     ref_out, ref_probs = ops.masked_attention(q, k, v, 0.5, None, ls)  # grad mode: the general path
     assert out.shape == ref_out.shape and probs.shape == ref_probs.shape
     assert torch.allclose(out, ref_out, atol=1e-12, rtol=0) and torch.allclose(probs, ref_probs, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_cosine_similarity_of_tome_split_equals_torch_on_the_slices(batched):
+    g = torch.Generator().manual_seed(5)
+    metric = torch.randn(2, 11, 6, generator=g, dtype=torch.float64)  # (B, N, D)
+    m = metric if batched else metric[0]
+    for first_a in (0, 2):
+        a, b = m[..., first_a::2, :], m[..., 1::2, :]  # (..., Na, D), (..., Nb, D)
+        ref = torch.nn.functional.cosine_similarity(a[..., :, None, :], b[..., None, :, :], dim=-1)  # (..., Na, Nb)
+        got = ops.cosine_similarity(m, first_a=first_a)
+        assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-12, rtol=0)
+    full = ops.cosine_similarity(m)  # every row with every row
+    assert torch.allclose(full.diagonal(dim1=-2, dim2=-1), torch.ones(()).double(), atol=1e-12, rtol=0)
+    assert torch.allclose(full[..., 2::2, 1::2], ops.cosine_similarity(m, first_a=2), atol=1e-12, rtol=0)

@@ -219,7 +219,8 @@ def cmd_bench(args) -> int:
         result["runs"].append(run)
         print(f"batch {bs}: dense {run['dense_ms']:.2f} ms, {result['method']} {run['reduced_ms']:.2f} ms "
               f"(IQR {run['reduced_iqr_ms'][0]:.2f}-{run['reduced_iqr_ms'][1]:.2f}); time ratio "
-              f"{run['time_ratio']:.3f}, GMACs ratio {run['gmacs_ratio']:.3f} (executed "
+              f"{run['time_ratio']:.3f} (IQR {run['time_ratio_iqr'][0]:.3f}-{run['time_ratio_iqr'][1]:.3f}), "
+              f"GMACs ratio {run['gmacs_ratio']:.3f} (executed "
               f"{run['gmacs_executed_ratio']:.3f}); throughput dense {run['throughput_dense']:.1f}, "
               f"{result['method']} {run['throughput_reduced']:.1f} img/s")
     print(f"{result['device']}, {result['threads']} threads, torch {result['torch']}"
@@ -481,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--val-split", default="val")
     b.add_argument("--warmup", type=int, default=3)
     b.add_argument("--reps", type=int, default=10, help="timed forwards per model per round")
-    b.add_argument("--rounds", type=int, default=3, help="interleaved rounds (dense, reduced, dense, ...)")
+    b.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds, each starting one model later (dense, reduced; reduced, dense; ...)")
     b.add_argument("--threads", type=int, help="torch CPU threads")
     b.add_argument("--device", default="auto")
     b.add_argument("--json", help="write the result here")
