@@ -32,6 +32,17 @@ def per_call_us(fn, n: int) -> float:
     return (time.perf_counter() - t) / n * 1e6
 
 
+def thread_counts():
+    """Yields 1 and the process's thread count (once if equal), with torch set to each; restores it after."""
+    threads = torch.get_num_threads()
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            yield n
+    finally:
+        torch.set_num_threads(threads)
+
+
 @torch.no_grad()
 def main() -> None:
     torch.manual_seed(0)
@@ -42,13 +53,10 @@ def main() -> None:
     cfg = ReduceConfig(method="ltmp")
     mt, pt = torch.tensor(0.3), torch.tensor(0.5 / N)
     kept = reduce_step(x, state, cfg, 0, importance, metric, mt, pt)[0].shape[1]
-    threads = torch.get_num_threads()
-    for n in sorted({1, threads}):  # its operators are small: a second thread can cost more than it saves
-        torch.set_num_threads(n)
+    for n in thread_counts():  # its operators are small: a second thread can cost more than it saves
         us = statistics.median(
             per_call_us(lambda: reduce_step(x, state, cfg, 0, importance, metric, mt, pt), 200) for _ in range(5))
         print(f"1. one LTMP reduction step, batch 1, DeiT-S shape ({N} -> {kept} tokens), {n} thread(s): {us:.0f} us")
-    torch.set_num_threads(threads)
 
     lin = torch.nn.Linear(384, 1536)
     xs = {m: torch.randn(1, m, 384) for m in range(90, 200)}
@@ -71,13 +79,11 @@ def main() -> None:
     singles = [s[None] for s in load_images(dense, "test", 8)]
     g = statistics.mean(float(ltmp.gmacs(spec, (red.eval()(s), ltmp.stats(red).kept)[1])[0]) for s in singles)
     tome = at_gmacs(dense, "tome", g)
-    for n in sorted({1, threads}):
-        torch.set_num_threads(n)
+    for n in thread_counts():
         t = compare_models({"dense": dense, "ltmp": red, "tome": tome}, singles, warmup=1, reps=1, rounds=6)
         print(f"3. {n} thread(s), batch 1, GMACs ratio {g / ltmp.dense_gmacs(spec):.3f}: time ratio LTMP "
               f"{paired_ratio(t, 'ltmp', 'dense')['median']:.3f}, ToMe {paired_ratio(t, 'tome', 'dense')['median']:.3f}"
               f" (dense {1000 * t['dense']['median'] / len(singles):.1f} ms per image)")
-    torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -181,7 +181,8 @@ def run_model(name: str, args, device) -> dict:
         g1 = statistics.mean(gmacs_of(ltmp_m, spec, s)[0] for s in singles)
         gb, gb_exec, spread = gmacs_of(ltmp_m, spec, batch)
 
-        row = {"r_target": target, "r_calibrated": r, "kept_last_block": spread, "batch": {}}
+        row = {"r_target": target, "r_calibrated": r, "kept_last_block": spread, "batch": {},
+               "ltmp_vs": {}}
         print(f"-- r_target {target}: calibrated r_FLOPs {r:.3f}; batch-{len(batch)} kept after the last block "
               f"min {min(spread)} / median {statistics.median(spread)} / max {max(spread)}", flush=True)
         for bs, x, g in (("1", singles, g1), (str(len(batch)), batch, gb)):
@@ -212,8 +213,7 @@ def run_model(name: str, args, device) -> dict:
                       f"GMACs {res[k]['gmacs_ratio']:.3f} (executed {res[k]['gmacs_executed_ratio']:.3f})",
                       flush=True)
             row["batch"][bs] = res
-            row.setdefault("ltmp_vs", {})[bs] = vs = {b: paired_ratio(t, "ltmp", b) for b in ("tome", "tome@exec")
-                                                       if b in t}
+            row["ltmp_vs"][bs] = vs = {b: paired_ratio(t, "ltmp", b) for b in ("tome", "tome@exec") if b in t}
             print("   batch {:>2} ltmp / ".format(bs) + ", ltmp / ".join(
                 f"{b} {v['median']:.3f} (IQR {v['p25']:.3f}-{v['p75']:.3f})" for b, v in vs.items()), flush=True)
         out["targets"].append(row)
