@@ -1,8 +1,9 @@
 """The per-block reduction step of LTMP (paper section 3.3), one definition for every method and both modes.
 
 A block runs attention on the surviving tokens, then this step merges and/or prunes (in the method's order), then
-the MLP. Train mode keeps every token in the tensor and carries a straight-through keep mask (eq. 3:
-``m^l = m^(l-1) * M(s, theta)``); eval mode removes the tokens (:func:`ltmp.ops.compact`). Both run the masked
+the MLP. Train mode keeps every token in the tensor and carries a straight-through keep mask that follows eq. 3's
+case rule: a surviving candidate takes this block's ``M(s, theta^l)``, a token removed earlier keeps its earlier
+mask (value 0, with the gradient path to the threshold that removed it); eval mode removes the tokens (:func:`ltmp.ops.compact`). Both run the masked
 step :func:`reduce_step`, so they make the same decisions; a single image in eval mode runs
 :func:`_reduce_single`, the same step on index lists (fewer operator calls), which the tests hold to the same
 decisions; under ``torch.compile`` it runs the masked step, whose only data-dependent operation is compaction's
@@ -42,6 +43,9 @@ class ReduceConfig:
     num_prefix: int = 1  # prefix tokens (class, distillation, registers) at the front; never reduced
     keep_one: bool = False  # pruning always leaves one patch token (models that pool patch tokens)
     rate: tuple[int, ...] | None = None  # fixed-rate methods: tokens per layer (r for ToMe, k for top-k)
+    mask_grad: str = "clamp"  # train mode: bounded form of eq. 6's gradient to removed keys' masks (ops.MASK_GRADS)
+    merge_grad: str = "average"  # train mode: merge thresholds learn through the masks of eq. 5-7 and the merged
+    #                              averages ("average"), or through the masks only ("mask", the reference code)
     trace_source: bool = False  # carry a (B, N, N0) map of which patches each token covers (for viz)
     capture: list | None = None  # analysis: each block appends (layer, importance, similarity score, set-A mask)
     fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
@@ -195,10 +199,11 @@ def reduce_step(
                 merge = ops.topk_mask(score, is_a, k, largest=True).to(x.dtype)  # (B, N)
             hard = merge.detach() > 0.5  # (B, N)
             # no host check of whether anything merged: a merge of nothing returns the tokens bit-identical
-            x, size, source = ops.merge_tokens(x, size, merge.to(size.dtype), dst, source)
+            weights = merge if cfg.merge_grad == "average" else merge.detach()  # (B, N)
+            x, size, source = ops.merge_tokens(x, size, weights.to(size.dtype), dst, source)
             if importance is not None:
                 importance = ops.group_max(importance, merge, dst)
-            keep = keep * (1 - merge)
+            keep = torch.where(is_a, 1 - merge, keep)  # eq. 3: set A takes this block's mask, the rest keep theirs
             state = dataclasses.replace(state, merged_once=True, masked_once=True)
             merged = hard.sum(1)
         else:
@@ -218,7 +223,7 @@ def reduce_step(
                     cand.sum(1, keepdim=True))
                 pm = pm + (spare & drop).to(pm.dtype)
                 drop = drop & ~spare
-            keep = keep * torch.where(cand, pm, torch.ones_like(pm))
+            keep = torch.where(cand, pm, keep)  # eq. 3: survivors take this block's mask, removed tokens keep theirs
             state = dataclasses.replace(state, masked_once=True)
             pruned = drop.sum(1)
     patch_keep = keep[:, P:]  # (B, N - P)
