@@ -113,9 +113,25 @@ def test_eval_json_has_stable_keys_and_fixed_rate_baselines(tiny_model, tiny_dat
         assert res_d["rate"] == ltmp.train.rate_schedule(spec, res["gmacs"], method)
 
 
+def test_constraint_budget_raises_its_multiplier_by_dual_ascent(tiny_model, tiny_data, tmp_path):
+    """--budget constraint: after each step mu grows by 2 lambda (r - r_target) of that step's batch."""
+    out = tmp_path / "run"
+    assert main(train_args(tiny_model, tiny_data, out, "--steps", "5", "--no-eval", "--budget", "constraint")) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    mu = 0.0
+    for entry in log:
+        mu += 2 * 10.0 * (entry["r_flops"] - 0.6)
+        assert entry["mu"] == pytest.approx(mu, rel=1e-9, abs=1e-12)
+    assert abs(mu) > 0.1
+    penalty = tmp_path / "penalty"
+    assert main(train_args(tiny_model, tiny_data, penalty, "--steps", "5", "--no-eval")) == 0
+    assert thresholds_of(penalty / "thresholds.safetensors") != thresholds_of(out / "thresholds.safetensors")
+
+
 def test_resume_after_kill_matches_uninterrupted_run(tiny_model, tiny_data, tmp_path):
+    """Also the budget multiplier resumes (--budget constraint): without it the thresholds would differ."""
     full, broken = tmp_path / "full", tmp_path / "broken"
-    args = ["--steps", "12", "--checkpoint-every", "2", "--no-eval", "--augment", "timm"]
+    args = ["--steps", "12", "--checkpoint-every", "2", "--no-eval", "--augment", "timm", "--budget", "constraint"]
     assert main(train_args(tiny_model, tiny_data, full, *args)) == 0
     cmd = [sys.executable, "-m", "ltmp"] + train_args(tiny_model, tiny_data, broken, *args)
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -165,7 +181,7 @@ def run_cli(args, capsys) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("case", ["unknown-model", "missing-dir", "empty-dir", "r-target", "other-model",
-                                  "corrupt-checkpoint", "corrupt-thresholds"])
+                                  "corrupt-checkpoint", "corrupt-thresholds", "collapse"])
 def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     if case == "unknown-model":
@@ -192,6 +208,12 @@ def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, ca
         (tmp_path / "w.pth").write_bytes(b"not a checkpoint")
         args = train_args(tiny_model, tiny_data, out, "--checkpoint", str(tmp_path / "w.pth"))
         expect = "cannot load checkpoint"
+    elif case == "collapse":  # a prune step so large that block 1 prunes every patch token from step 2 on
+        args = train_args(tiny_model, tiny_data, out, "--steps", "6")
+        args[args.index("5e-3")], args[args.index("0.6")] = "1e4", "0.2"
+        expect = ("training stopped at step 4: block 1 removed every patch token of every image for 3 steps in a "
+                  "row (merge threshold 0.8835, prune threshold 4.022e+04), where the thresholds get no gradient; "
+                  "lower --lr-prune (10000)")
     else:
         (tmp_path / "t.safetensors").write_bytes(b"\x01\x02garbage")
         args = ["eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--thresholds",

@@ -220,6 +220,65 @@ def test_masked_softmax_backward_equals_autograd_of_eq6():
     assert grads(ops.MaskedSoftmax.apply)[2][hard == 0].abs().min() > 0  # removed keys' masks get gradient
 
 
+def _masked_softmax_grads(attn, hard, g, mode):
+    a = attn.clone().requires_grad_(True)
+    s = torch.zeros_like(hard, requires_grad=True)
+    out = ops.MaskedSoftmax.apply(a, hard + (s - s.detach()), mode)
+    (out * g).sum().backward()
+    return out.detach(), a.grad, s.grad
+
+
+@pytest.mark.parametrize("mode", ["eps", "secant"])
+def test_mask_gradient_forms_change_only_removed_keys(mode):
+    """Every form has the same forward and the same gradients for the logits and for kept keys' masks."""
+    torch.manual_seed(0)
+    attn = torch.randn(2, 3, 7, 7, dtype=torch.float64) * 3
+    hard = (torch.rand(2, 7) > 0.4).double()
+    hard[:, 0] = 1
+    g = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    base, other = _masked_softmax_grads(attn, hard, g, "clamp"), _masked_softmax_grads(attn, hard, g, mode)
+    assert torch.equal(base[0], other[0])
+    assert torch.allclose(base[1], other[1], atol=1e-12, rtol=0)
+    kept = hard > 0.5
+    assert torch.allclose(base[2][kept], other[2][kept], atol=1e-12, rtol=0)
+    assert not torch.allclose(base[2][~kept], other[2][~kept])
+
+
+def test_secant_mask_gradient_is_the_exact_change_when_a_key_is_restored():
+    """For a loss linear in the attention output, the secant form's gradient of a removed key's mask equals the
+    change of the loss when that key is put back (the 0 -> 1 flip the straight-through mask stands for)."""
+    torch.manual_seed(1)
+    B, H, N, D = 1, 2, 6, 4
+    attn = torch.randn(B, H, N, N, dtype=torch.float64) * 4
+    v = torch.randn(B, H, N, D, dtype=torch.float64)
+    c = torch.randn(B, H, N, D, dtype=torch.float64)  # loss = sum(c * (S @ v))
+    hard = torch.tensor([[1.0, 1, 0, 1, 0, 1]], dtype=torch.float64)
+    _, _, grad = _masked_softmax_grads(attn, hard, c @ v.transpose(-1, -2), "secant")
+
+    def loss(mask):
+        probs = (attn.masked_fill(mask[:, None, None, :] < 0.5, float("-inf"))).softmax(-1)
+        return float((c * (probs @ v)).sum())
+
+    for j in (2, 4):
+        restored = hard.clone()
+        restored[0, j] = 1
+        assert grad[0, j].item() == pytest.approx(loss(restored) - loss(hard), rel=1e-12, abs=1e-12)
+
+
+def test_eps_mask_gradient_is_the_exact_derivative_away_from_sinks():
+    """The reference code's form is the tangent exp(A_ij) / Z_i, up to its eps, when no removed key dominates."""
+    torch.manual_seed(2)
+    attn = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    hard = (torch.rand(2, 7) > 0.4).double()
+    hard[:, 0] = 1
+    g = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    _, _, ours = _masked_softmax_grads(attn, hard, g, "eps")
+    m = hard.clone().requires_grad_(True)
+    e = attn.exp() * m[:, None, None, :]
+    ((e / e.sum(-1, keepdim=True)) * g).sum().backward()
+    assert torch.allclose(ours, m.grad, rtol=1e-3, atol=1e-9), (ours - m.grad).abs().max()
+
+
 def test_mean_importance_stays_in_float32_under_autocast():
     q, k, v = qkv(dtype=torch.float32)
     keep = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.float32)

@@ -59,9 +59,9 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(
         model=args.model, pretrained=args.pretrained, checkpoint=args.checkpoint, data_dir=args.data_dir,
         output=args.output, r_target=args.r_target, method=args.method, importance=args.importance, tau=args.tau,
-        lam=args.lam, lr_prune=args.lr_prune, lr_merge=args.lr_merge, merge_init=args.merge_init,
-        prune_init=args.prune_init, calibrate=args.calibrate, batch_size=args.batch_size, epochs=args.epochs,
-        steps=args.steps,
+        lam=args.lam, budget=args.budget, lr_prune=args.lr_prune, lr_merge=args.lr_merge, merge_init=args.merge_init,
+        prune_init=args.prune_init, mask_grad=args.mask_grad, merge_grad=args.merge_grad, calibrate=args.calibrate,
+        batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
         val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
         augment=args.augment, amp=args.amp, seed=args.seed, checkpoint_every=args.checkpoint_every,
         workers=args.workers, device=args.device, eval_after=not args.no_eval, compile=args.compile)
@@ -438,10 +438,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--importance", default="mean", choices=["mean", "cls"])
     t.add_argument("--tau", type=float, default=0.1)
     t.add_argument("--lam", type=float, default=10.0, help="lambda of eq. 15")
+    t.add_argument("--budget", default="penalty", choices=["penalty", "constraint"],
+                   help="penalty: lambda (r - r_target)^2 (the paper); constraint: plus a multiplier raised by "
+                        "dual ascent until r_FLOPs meets the target")
     t.add_argument("--lr-prune", type=float, default=5e-6)
     t.add_argument("--lr-merge", type=float, default=5e-3)
     t.add_argument("--merge-init", type=float, default=0.9)
     t.add_argument("--prune-init", type=float, default=0.0)
+    t.add_argument("--mask-grad", default="clamp", choices=["clamp", "eps", "secant"],
+                   help="bounded form of eq. 6's gradient to removed tokens' masks (eps: the reference code's)")
+    t.add_argument("--merge-grad", default="average", choices=["average", "mask"],
+                   help="merge thresholds learn through the masks and merged averages, or the masks only")
     t.add_argument("--calibrate", action="store_true",
                    help="start from thresholds bisected to hit --r-target on 256 training images")
     t.add_argument("--epochs", type=float, default=1.0)

@@ -64,6 +64,7 @@ def masked_attention(
         keep: Tensor | None,
         log_size: Tensor | None,
         dropout: torch.nn.Module | None = None,
+        mask_grad: str = "clamp",
 ) -> tuple[Tensor, Tensor]:
     """Attention with a multiplicative key mask and proportional attention, eq. 5-7.
 
@@ -72,8 +73,7 @@ def masked_attention(
     leaks probability to removed tokens. When the mask needs a gradient it multiplies, so gradients reach it (a
     ``-inf`` fill would pass none); otherwise (eval) it is the equivalent ``-inf`` fill and a single softmax. The
     softmax runs in fp32 for fp16/bf16 inputs. In the multiplicative form the row max is taken over *kept* keys
-    only and masked keys' exponents are clamped at that max (their forward weight is zero anyway, this only
-    bounds the surrogate gradient they pass to their mask).
+    only; ``mask_grad`` bounds the gradient that removed keys pass to their mask (:class:`MaskedSoftmax`).
 
     Args:
         q, k, v: (B, H, N, D).
@@ -81,6 +81,7 @@ def masked_attention(
         keep: (B, N) 0/1 (straight-through) mask of surviving keys, or None when all survive.
         log_size: (B, N) log of the token sizes, or None when all sizes are 1.
         dropout: Attention dropout module applied to the probabilities.
+        mask_grad: Form of a removed key's mask gradient, one of :data:`MASK_GRADS`.
 
     Returns:
         out (B, H, N, D) and the attention probabilities S (B, H, N, N), in fp32 (or float64 for float64 inputs).
@@ -108,10 +109,16 @@ def masked_attention(
     else:
         if log_size is not None:
             attn = attn + log_size[:, None, None, :].to(attn.dtype)  # (B, H, N, N)
-        probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype))  # (B, H, N, N)
+        probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad)  # (B, H, N, N)
     p = dropout(probs) if dropout is not None else probs
     out = p.to(v.dtype) @ v  # (B, H, N, D)
     return out, probs
+
+
+#: Forms of eq. 6's gradient with respect to a *removed* key's mask (see :class:`MaskedSoftmax`).
+MASK_GRADS = ("clamp", "eps", "secant")
+#: eps of the reference code's masked softmax denominator (the ``"eps"`` form).
+REFERENCE_EPS = 1e-5
 
 
 class MaskedSoftmax(torch.autograd.Function):
@@ -119,22 +126,43 @@ class MaskedSoftmax(torch.autograd.Function):
     hand-written backward (autograd of the formula keeps about ten (B, H, N, N) intermediates; this keeps two):
 
     - ``dL/dA_ij = S_ij (g_ij - sum_k g_ik S_ik)`` (the softmax backward),
-    - ``dL/dm_j = sum_(h, i) a_ij (g_ij - sum_k g_ik S_ik)`` (the mask's gradient, also for removed keys).
+    - ``dL/dm_j = sum_(h, i) w_ij (g_ij - sum_k g_ik S_ik)`` (the mask's gradient, also for removed keys).
 
-    The row max is taken over kept keys only and removed keys' exponents are clamped at it, so removed keys can
-    neither overflow nor underflow the kept ones; their ``a`` (which only feeds their mask's gradient) is bounded.
+    For a kept key, ``w_ij = a_ij = S_ij``, the exact derivative. For a removed key the exact derivative
+    ``a_ij = exp(A_ij) / Z_i`` (``Z_i`` the kept keys' sum) is unbounded: it is huge in rows where the removed key
+    would dominate (an attention sink). ``mask_grad`` picks a bounded form:
+
+    - ``"clamp"``: the row max is taken over kept keys and removed keys' exponents are clamped at it,
+      ``w_ij = min(exp(A_ij - max_kept), 1) / (Z_i exp(-max_kept)) <= 1``;
+    - ``"eps"``: the reference code's, ``w_ij = exp(A_ij - max_all) / (Z_i exp(-max_all) + 1e-5)`` with the max over
+      all keys, bounded only by 1e5;
+    - ``"secant"``: ``w_ij = a_ij / (1 + a_ij) = sigmoid(A_ij - log Z_i)``, the probability key j would get if it
+      were restored. The straight-through mask stands for a 0 -> 1 flip, and restoring key j changes row i's output
+      by exactly ``w_ij (v_j - o_i)``: the secant of the flip rather than the tangent at 0.
+
+    The forward is the same in all three: exactly attention with the removed keys left out.
     """
 
     @staticmethod
-    def forward(ctx, attn: Tensor, keep: Tensor) -> Tensor:  # (B, H, N, N), (B, N) straight-through 0/1 values
+    def forward(ctx, attn: Tensor, keep: Tensor, mask_grad: str = "clamp") -> Tensor:
+        # attn (B, H, N, N), keep (B, N) straight-through 0/1 values
         kept = (keep > 0.5)[:, None, None, :]  # (B, 1, 1, N)
         row_max = attn.masked_fill(~kept, float("-inf")).amax(dim=-1, keepdim=True)  # (B, H, N, 1)
-        a = (attn - row_max).clamp_(max=0.0).exp_()  # (B, H, N, N); kept keys are <= 0 already
-        m = keep[:, None, None, :]  # (B, 1, 1, N)
-        probs = a * m  # (B, H, N, N)
-        total = probs.sum(dim=-1, keepdim=True)  # (B, H, N, 1)
+        z = attn - row_max  # (B, H, N, N); kept keys are <= 0
+        a = z.clamp(max=0.0).exp()  # (B, H, N, N)
+        probs = a * keep[:, None, None, :]  # (B, H, N, N)
+        total = probs.sum(dim=-1, keepdim=True)  # (B, H, N, 1) = Z_i exp(-max_kept), >= 1
         probs.div_(total)
-        a.div_(total)
+        if mask_grad == "clamp":
+            a.div_(total)
+        elif mask_grad == "secant":
+            a = torch.where(kept, probs, torch.sigmoid(z - total.log()))  # (B, H, N, N)
+        elif mask_grad == "eps":
+            shift = (z.amax(dim=-1, keepdim=True)).clamp(min=0.0)  # (B, H, N, 1) max_all - max_kept
+            eps_form = (z - shift).exp_().div_(total * (-shift).exp() + REFERENCE_EPS)  # (B, H, N, N)
+            a = torch.where(kept, probs, eps_form)
+        else:
+            raise ValueError(f"unknown mask_grad '{mask_grad}'; choose one of: {', '.join(MASK_GRADS)}")
         ctx.save_for_backward(probs, a)
         return probs
 
@@ -144,7 +172,7 @@ class MaskedSoftmax(torch.autograd.Function):
         probs, a = ctx.saved_tensors
         d = g - (g * probs).sum(dim=-1, keepdim=True)  # (B, H, N, N)
         grad_keep = (a * d).sum(dim=(1, 2)) if ctx.needs_input_grad[1] else None  # (B, N)
-        return (probs * d if ctx.needs_input_grad[0] else None), grad_keep
+        return (probs * d if ctx.needs_input_grad[0] else None), grad_keep, None
 
 
 def importance_scores(probs: Tensor, keep: Tensor | None, kind: str) -> Tensor:

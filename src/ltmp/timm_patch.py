@@ -97,6 +97,8 @@ def patch(
         r: int | Sequence[int] | None = None,
         k: int | Sequence[int] | None = None,
         trace_source: bool = False,
+        mask_grad: str = "clamp",
+        merge_grad: str = "average",
 ) -> nn.Module:
     """Make a timm VisionTransformer reduce its tokens with LTMP or a fixed-rate baseline, in place.
 
@@ -114,6 +116,10 @@ def patch(
         r: ToMe's tokens merged per layer (int or per-layer list).
         k: Top-k baselines' tokens pruned (and merged, for ``topk-mp``) per layer.
         trace_source: Record which patches each token covers after every block (for visualization).
+        mask_grad: Train mode: the bounded form of eq. 6's gradient to removed keys' masks, ``"clamp"``,
+            ``"eps"`` (the reference code's) or ``"secant"`` (see ``ltmp.ops.MaskedSoftmax``).
+        merge_grad: Train mode: merge thresholds learn through the attention masks and the merged averages
+            (``"average"``) or through the masks only (``"mask"``, as the reference code).
 
     Returns:
         The same model object, patched.
@@ -125,8 +131,13 @@ def patch(
     if getattr(model, "ltmp_config", None) is not None:
         unpatch(model)
     depth = len(model.blocks) if hasattr(model, "blocks") else 0
+    if mask_grad not in ops.MASK_GRADS:
+        raise ValueError(f"unknown mask_grad '{mask_grad}'; choose one of: {', '.join(ops.MASK_GRADS)}")
+    if merge_grad not in ("average", "mask"):
+        raise ValueError(f"unknown merge_grad '{merge_grad}'; choose 'average' or 'mask'")
     cfg = ReduceConfig(method=method, tau=float(tau), importance=importance,
-                       num_prefix=int(getattr(model, "num_prefix_tokens", 0)), trace_source=trace_source)
+                       num_prefix=int(getattr(model, "num_prefix_tokens", 0)), trace_source=trace_source,
+                       mask_grad=mask_grad, merge_grad=merge_grad)
     _check_supported(model, cfg)
     if cfg.learned:
         if r is not None or k is not None:
@@ -310,7 +321,7 @@ def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: T
     importance = None
     if cfg.needs_importance or not attn.fused_attn or (keep is not None and keep.requires_grad) \
             or is_exporting():  # SDPA's mask broadcasting would guard on the symbolic token count
-        o, probs = ops.masked_attention(q, k, v, attn.scale, keep, ls, attn.attn_drop)  # (B, H, N, D)
+        o, probs = ops.masked_attention(q, k, v, attn.scale, keep, ls, attn.attn_drop, cfg.mask_grad)  # (B, H, N, D)
         if cfg.needs_importance:
             importance = ops.importance_scores(probs, keep, cfg.importance)  # (B, N)
         del probs

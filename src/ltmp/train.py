@@ -45,10 +45,14 @@ class TrainConfig:
     importance: str = "mean"  # mean (eq. 17) | cls (eq. 16)
     tau: float = 0.1  # sigmoid temperature of eq. 2
     lam: float = 10.0  # lambda of eq. 15
+    budget: str = "penalty"  # "penalty": lambda (r - r_target)^2 (eq. 14-15); "constraint": plus mu (r - r_target),
+    #                          mu raised by dual ascent (mu += 2 lambda (r - r_target) per step) until r meets it
     lr_prune: float = 5e-6  # SGD learning rate of the prune thresholds (paper)
     lr_merge: float = 5e-3  # SGD learning rate of the merge thresholds (paper)
     merge_init: float = 0.9  # initial merge thresholds (reference code)
     prune_init: float = 0.0  # initial prune thresholds (reference code)
+    mask_grad: str = "clamp"  # bounded form of eq. 6's gradient to removed tokens' masks (ltmp.ops.MASK_GRADS)
+    merge_grad: str = "average"  # merge thresholds learn through masks and merged averages, or masks only ("mask")
     calibrate: bool = False  # start from thresholds bisected to hit r_target on a few images (no training)
     calibrate_images: int = 256  # images used by the calibration
     batch_size: int = 128  # global batch, split over processes
@@ -236,22 +240,24 @@ class EpochIndexed(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig) -> None:
+def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig, mu: float = 0.0) -> None:
     from safetensors.torch import save_file
 
     tensors = {k: v.contiguous() for k, v in threshold_tensors(model).items()}
-    meta = {"format": "ltmp-train-checkpoint", "step": str(step), "config": json.dumps(dataclasses.asdict(cfg))}
+    meta = {"format": "ltmp-train-checkpoint", "step": str(step), "config": json.dumps(dataclasses.asdict(cfg)),
+            "mu": repr(mu)}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
 #: settings that must not change when a run resumes (they decide which images and targets each step sees)
 RESUME_KEYS = ("model", "data_dir", "method", "importance", "r_target", "batch_size", "epochs", "steps", "seed",
-               "holdout", "max_train_images", "augment", "train_split", "tau", "lam")
+               "holdout", "max_train_images", "augment", "train_split", "tau", "lam", "mask_grad", "merge_grad",
+               "budget")
 
 
-def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> int:
+def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tuple[int, float]:
     """Restore thresholds from a training checkpoint made with the same settings; returns the step to continue
-    from."""
+    from and the budget multiplier mu (``budget="constraint"``)."""
     from safetensors import safe_open
 
     try:
@@ -270,7 +276,7 @@ def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> int
         raise TrainError(f"cannot resume {path.parent}: it was started with {k}={saved.get(k)!r}, not "
                          f"{now[k]!r}; resume with the same settings or use another --output")
     set_thresholds(model, tensors, str(path))
-    return int(meta["step"])
+    return int(meta["step"]), float(meta.get("mu", "0.0"))
 
 
 # ---------------------------------------------------------------------------------------------------------- train
@@ -307,6 +313,8 @@ def validate(cfg: TrainConfig) -> None:
         raise TrainError(f"--r-target must lie in (0, 1], got {cfg.r_target}")
     if cfg.method not in ("ltmp", "ltpm", "ltm", "ltp"):
         raise TrainError(f"--method {cfg.method} has no thresholds to train; choose ltmp, ltpm, ltm or ltp")
+    if cfg.budget not in ("penalty", "constraint"):
+        raise TrainError(f"unknown --budget '{cfg.budget}'; choose penalty or constraint")
     if cfg.batch_size < 1 or (cfg.steps is not None and cfg.steps < 1) or cfg.epochs <= 0:
         raise TrainError("--batch-size, --steps and --epochs must be positive")
 
@@ -333,18 +341,18 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     torch.manual_seed(cfg.seed)
     model = create_model(cfg.model, cfg.pretrained, cfg.checkpoint)
     patch(model, cfg.method, tau=cfg.tau, importance=cfg.importance, merge_threshold=cfg.merge_init,
-          prune_threshold=cfg.prune_init)
+          prune_threshold=cfg.prune_init, mask_grad=cfg.mask_grad, merge_grad=cfg.merge_grad)
     model.to(device)
     threshold_training_mode(model)
     train_set, indices, val_set, data_cfg = build_train_data(cfg, model)
     steps = total_steps(cfg, len(indices))
-    start = 0
+    start, mu = 0, 0.0
     if cfg.calibrate and not (resume and ckpt_path.exists()):
         calibrate(model, calibration_batch(model, train_set.root, cfg.calibrate_images, cfg.seed + 31, indices,
                                            train_set.classes), cfg.r_target, device)
         threshold_training_mode(model)
     if resume and ckpt_path.exists():
-        start = load_checkpoint_state(model, ckpt_path, cfg)
+        start, mu = load_checkpoint_state(model, ckpt_path, cfg)
     elif resume and (out / "thresholds.safetensors").exists():
         raise TrainError(f"{out} holds a finished run and no checkpoint; nothing to resume")
 
@@ -385,6 +393,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         bar = tqdm(total=steps, initial=start, desc=f"train {cfg.method} r_target={cfg.r_target}", unit="step",
                    dynamic_ncols=True)
     skipped = 0
+    collapsed: tuple[list[int], int] = ([], 0)  # blocks that removed every patch token, for how many steps in a row
     last: dict = {}
     t0 = time.perf_counter()
     seen = 0
@@ -410,10 +419,17 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                 r = all_reduce(r) / ddp.world  # differentiable: the budget loss is non-linear in the batch mean
             reg = budget_loss_value(r, cfg.r_target)
             loss = ce + cfg.lam * reg
+            if cfg.budget == "constraint":
+                loss = loss + mu * (r - cfg.r_target)
+            collapsed = _collapse_check(model, ddp, collapsed)
+            if collapsed[1] >= COLLAPSE_STEPS:
+                raise TrainError(_collapse_message(model, cfg, collapsed[0], step + 1))
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+            if cfg.budget == "constraint":  # dual ascent; r is the global batch's on every rank
+                mu += 2 * cfg.lam * (float(r.detach()) - cfg.r_target)
             seen += imgs.shape[0] * ddp.world
             done = step + 1
             if ddp.main:
@@ -421,7 +437,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                 values = torch.stack([v.detach().float().reshape(()) for v in (loss, ce, reg, r, *merge_p, *prune_p)])
                 loss_v, ce_v, reg_v, r_v, *th = values.tolist()  # one host synchronisation per step, not 4 + 2L
                 last = {"step": done, "loss": loss_v, "ce": ce_v, "budget": reg_v, "r_flops": r_v,
-                        "images_per_s": round(ips, 1), "skipped": skipped,
+                        "images_per_s": round(ips, 1), "skipped": skipped, "mu": mu,
                         "merge": th[:len(merge_p)], "prune": th[len(merge_p):]}
                 if done % cfg.log_every == 0 or done == steps:
                     log_f.write(json.dumps(last) + "\n")
@@ -430,7 +446,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_v:.3f}", r_flops=f"{r_v:.3f}", img_s=f"{ips:.0f}")
                 if done % cfg.checkpoint_every == 0 and done < steps:
-                    save_checkpoint(model, ckpt_path, done, cfg)
+                    save_checkpoint(model, ckpt_path, done, cfg, mu)
     finally:
         if bar is not None:
             bar.close()
@@ -454,6 +470,33 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         result["eval"] = evaluate(model, loader, device, amp=cfg.amp, progress=progress, model_name=cfg.model)
         atomic_write(out / "eval.json", lambda tmp: Path(tmp).write_text(json.dumps(result["eval"], indent=2)))
     return result
+
+
+#: Training stops when a block has removed every patch token of every image for this many steps in a row.
+COLLAPSE_STEPS = 3
+
+
+def _collapse_check(model: nn.Module, ddp: Dist, before: tuple[list[int], int]) -> tuple[list[int], int]:
+    """Blocks of the last forward that left no patch token in any image of the global batch (one that keeps one
+    patch token by design, ``keep_one``, counts as empty with one), and for how many steps in a row some block
+    has. There the thresholds' surrogate gradients (eq. 2) vanish, so training cannot bring the tokens back."""
+    import ltmp
+
+    rec = ltmp.stats(model)
+    alive = (rec.kept.amax(0) > int(model.ltmp_config.keep_one)).to(torch.int32)  # (L,) on this rank
+    if ddp.world > 1:
+        dist.all_reduce(alive, op=dist.ReduceOp.MAX)
+    blocks = [i for i, a in enumerate(alive.tolist()) if not a]
+    return blocks, (before[1] + 1 if blocks else 0)
+
+
+def _collapse_message(model: nn.Module, cfg: TrainConfig, blocks: list[int], step: int) -> str:
+    blk = model.blocks[blocks[0]]
+    th = ", ".join(f"{name.split('_')[0]} threshold {float(getattr(blk, name)):.4g}" for name in THRESHOLD_NAMES
+                   if hasattr(blk, name))
+    return (f"training stopped at step {step}: block {blocks[0] + 1} removed every patch token of every image for "
+            f"{COLLAPSE_STEPS} steps in a row ({th}), where the thresholds get no gradient; lower --lr-prune "
+            f"({cfg.lr_prune:g}) or --lr-merge ({cfg.lr_merge:g}) and start again")
 
 
 def _log_step(line: str) -> float:
