@@ -393,7 +393,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         bar = tqdm(total=steps, initial=start, desc=f"train {cfg.method} r_target={cfg.r_target}", unit="step",
                    dynamic_ncols=True)
     skipped = 0
-    collapsed: tuple[list[int], int] = ([], 0)  # blocks that removed every patch token, for how many steps in a row
+    empty_runs = None  # per block: steps in a row in which it removed every patch token (_collapse_check)
     last: dict = {}
     t0 = time.perf_counter()
     seen = 0
@@ -421,13 +421,14 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             loss = ce + cfg.lam * reg
             if cfg.budget == "constraint":
                 loss = loss + mu * (r - cfg.r_target)
-            collapsed = _collapse_check(model, ddp, collapsed)
-            if collapsed[1] >= COLLAPSE_STEPS:
-                raise TrainError(_collapse_message(model, cfg, collapsed[0], step + 1))
+            empty_runs = _collapse_check(model, ddp, empty_runs)
+            if max(empty_runs) >= COLLAPSE_STEPS:
+                raise TrainError(_collapse_message(model, cfg, empty_runs.index(max(empty_runs)), step + 1))
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+            project_thresholds(model, merge_p, prune_p)
             if cfg.budget == "constraint":  # dual ascent; r is the global batch's on every rank
                 mu += 2 * cfg.lam * (float(r.detach()) - cfg.r_target)
             seen += imgs.shape[0] * ddp.world
@@ -472,29 +473,45 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     return result
 
 
-#: Training stops when a block has removed every patch token of every image for this many steps in a row.
-COLLAPSE_STEPS = 3
+@torch.no_grad()
+def project_thresholds(model: nn.Module, merge: list[nn.Parameter], prune: list[nn.Parameter]) -> None:
+    """Keep each threshold inside the range of the scores it compares (as the reference code clamps to [0, 1]):
+    merge thresholds in [-1, 1] (cosine similarities), prune thresholds in [0, 1] (mean column attention, eq. 17)
+    or [0, heads] (class attention summed over heads, eq. 16). Outside, every score falls on one side and the
+    sigmoid surrogate (eq. 2) passes almost no gradient, so one large step (an attention sink's gradient, eq. 6)
+    would switch a block's merging or pruning off or on for good."""
+    cfg = model.ltmp_config
+    top = float(model.blocks[0].attn.num_heads) if cfg.importance == "cls" else 1.0
+    for p in merge:
+        p.clamp_(-1.0, 1.0)
+    for p in prune:
+        p.clamp_(0.0, top)
 
 
-def _collapse_check(model: nn.Module, ddp: Dist, before: tuple[list[int], int]) -> tuple[list[int], int]:
-    """Blocks of the last forward that left no patch token in any image of the global batch (one that keeps one
-    patch token by design, ``keep_one``, counts as empty with one), and for how many steps in a row some block
-    has. There the thresholds' surrogate gradients (eq. 2) vanish, so training cannot bring the tokens back."""
+#: Training stops when a block has removed every patch token of every image for this many steps in a row (fewer
+#: let a threshold that still gets a surrogate gradient walk back).
+COLLAPSE_STEPS = 10
+
+
+def _collapse_check(model: nn.Module, ddp: Dist, runs: list[int] | None) -> list[int]:
+    """For each block, for how many steps in a row it has left no patch token in any image of the global batch
+    (a model that keeps one patch token by design, ``keep_one``, counts as empty with one). There the thresholds'
+    surrogate gradients (eq. 2) all but vanish, so training may not bring the tokens back."""
     import ltmp
 
     rec = ltmp.stats(model)
     alive = (rec.kept.amax(0) > int(model.ltmp_config.keep_one)).to(torch.int32)  # (L,) on this rank
     if ddp.world > 1:
         dist.all_reduce(alive, op=dist.ReduceOp.MAX)
-    blocks = [i for i, a in enumerate(alive.tolist()) if not a]
-    return blocks, (before[1] + 1 if blocks else 0)
+    runs = runs or [0] * len(alive)
+    return [0 if a else n + 1 for a, n in zip(alive.tolist(), runs)]
 
 
-def _collapse_message(model: nn.Module, cfg: TrainConfig, blocks: list[int], step: int) -> str:
-    blk = model.blocks[blocks[0]]
+def _collapse_message(model: nn.Module, cfg: TrainConfig, block: int, step: int) -> str:
+    blk = model.blocks[block]
     th = ", ".join(f"{name.split('_')[0]} threshold {float(getattr(blk, name)):.4g}" for name in THRESHOLD_NAMES
                    if hasattr(blk, name))
-    return (f"training stopped at step {step}: block {blocks[0] + 1} removed every patch token of every image for "
+    return (f"training stopped at step {step}: block {block + 1} removed every patch token of every image for "
             f"{COLLAPSE_STEPS} steps in a row ({th}), where the thresholds get no gradient; lower --lr-prune "
             f"({cfg.lr_prune:g}) or --lr-merge ({cfg.lr_merge:g}) and start again")
 

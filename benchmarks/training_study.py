@@ -1,0 +1,109 @@
+"""Held-out training studies of issue #16: which eq. 6 mask-gradient form, and which procedure, trains best.
+
+Each run is one ``ltmp train`` of the CIFAR-10 ViT (``../shared``): SGD, batch 128, tau 0.1, lambda 10, ``STEPS``
+steps, light augmentation, 2% of train held out. Its ``eval.json`` is on those 1,000 held-out training images
+(never the test set). Finished runs are kept and skipped, interrupted ones resume, so the script can be stopped
+and started again:
+
+    nohup python benchmarks/training_study.py forms procedure > runs/study.log 2>&1 &
+    python benchmarks/training_study.py forms procedure --table     # the tables of what has finished
+
+- ``forms``: the three forms of eq. 6's gradient to removed keys' masks (``--mask-grad``, see
+  ``ltmp.ops.MaskedSoftmax``) at r_target 0.7 and 0.5, with the paper's learning rates and with the prune
+  learning rate of benchmarks/reproduce.py (3e-4, merge thresholds from 1.0).
+- ``procedure``: the chosen form at r_target 0.85 to 0.45: the paper's budget penalty (eq. 14-15) against the
+  budget as a constraint (``--budget constraint``, dual ascent).
+
+Runs go to ``runs/study/<variant>-r<target>``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+MODEL = f"local-dir:{SHARED / 'models' / 'vit-cifar10'}"
+DATA = str(SHARED / "data" / "cifar10" / "cifar10-jpeg.tar.gz")
+STEPS = 100
+PAPER = ["--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's (and ltmp train's) defaults, spelled out
+RECIPE = ["--lr-prune", "3e-4", "--merge-init", "1.0"]  # benchmarks/reproduce.py
+STUDIES: dict[str, tuple[tuple[float, ...], dict[str, list[str]]]] = {
+    "forms": ((0.7, 0.5), {
+        "eps-mask-paper": ["--mask-grad", "eps", "--merge-grad", "mask", *PAPER],  # the reference code's signal
+        "clamp-paper": ["--mask-grad", "clamp", *PAPER],
+        "eps-mask-recipe": ["--mask-grad", "eps", "--merge-grad", "mask", *RECIPE],
+        "clamp-recipe": ["--mask-grad", "clamp", *RECIPE],
+        "secant-recipe": ["--mask-grad", "secant", *RECIPE],
+        "secant-mask-recipe": ["--mask-grad", "secant", "--merge-grad", "mask", *RECIPE],
+    }),
+    "procedure": ((0.85, 0.75, 0.65, 0.55, 0.45), {
+        "secant-recipe": ["--mask-grad", "secant", *RECIPE],
+        "secant-recipe-constraint": ["--mask-grad", "secant", *RECIPE, "--budget", "constraint"],
+    }),
+}
+
+
+def train(folder: Path, target: float, extra: list[str]) -> None:
+    if (folder / "eval.json").exists() or (folder / "stopped.txt").exists():
+        return
+    cmd = [sys.executable, "-m", "ltmp", "--quiet", "train", "--model", MODEL, "--pretrained", "--data-dir", DATA,
+           "--output", str(folder), "--r-target", str(target), "--steps", str(STEPS), "--augment", "light",
+           "--holdout", "0.02", "--checkpoint-every", "10", *extra]
+    if (folder / "checkpoint.safetensors").exists():
+        cmd.append("--resume")
+    print(" ".join(cmd), flush=True)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    sys.stdout.write(res.stdout + res.stderr)
+    if res.returncode:  # e.g. training stopped on a collapsed block: keep its message, don't retry
+        (folder / "stopped.txt").write_text(res.stderr.strip().splitlines()[-1] + "\n")
+
+
+def row(name: str, target: float, folder: Path) -> str | None:
+    if (folder / "stopped.txt").exists():
+        log = (folder / "log.jsonl").read_text().splitlines()
+        return f"| {name} | {target} | stopped at step {len(log)}: {(folder / 'stopped.txt').read_text().strip()} |"
+    if not (folder / "eval.json").exists():
+        return None
+    ev = json.loads((folder / "eval.json").read_text())
+    merged = sum(layer["merged"] for layer in ev["per_layer"])
+    pruned = sum(layer["pruned"] for layer in ev["per_layer"])
+    early = sum(layer["merged"] + layer["pruned"] for layer in ev["per_layer"][:4])
+    return (f"| {name} | {target} | {ev['r_flops']:.3f} ({ev['r_flops'] - target:+.3f}) | {ev['top1']:.2f} | "
+            f"{merged:.1f} / {pruned:.1f} | {early / (merged + pruned):.0%} |")
+
+
+def table(runs: Path, study: str) -> str:
+    targets, variants = STUDIES[study]
+    lines = [f"### {study}", "", "| variant | r_target | held-out r_FLOPs (miss) | held-out top-1 | merged / pruned "
+             "per image | share in blocks 1-4 |", "|---|---|---|---|---|---|"]
+    for name in variants:
+        for target in targets:
+            line = row(name, target, runs / f"{name}-r{target}")
+            if line:
+                lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("studies", nargs="+", choices=sorted(STUDIES))
+    ap.add_argument("--runs", default=str(ROOT / "runs" / "study"))
+    ap.add_argument("--table", action="store_true", help="only print the tables of finished runs")
+    args = ap.parse_args(argv)
+    runs = Path(args.runs)
+    for study in args.studies:
+        targets, variants = STUDIES[study]
+        if not args.table:
+            for name, extra in variants.items():
+                for target in targets:
+                    train(runs / f"{name}-r{target}", target, extra)
+        print(table(runs, study) + "\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
