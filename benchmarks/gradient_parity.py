@@ -112,6 +112,29 @@ def agreement(ours: list[float], ref: list[float], floor: float = 1e-2, factor: 
     return ok, n
 
 
+def ce_over_budget(case: dict, kind: str) -> float:
+    """Median over blocks 1-11 of |cross-entropy gradient| / |budget gradient| for one kind of threshold."""
+    import statistics
+
+    pairs = zip(case["ce"][kind][:-1], case["budget"][kind][:-1])
+    return statistics.median(abs(c) / max(abs(b), 1e-12) for c, b in pairs)
+
+
+def opposed(cases: list[dict]) -> tuple[int, int]:
+    """(thresholds whose cross-entropy gradient has the opposite sign of the budget gradient and a larger
+    magnitude, thresholds compared): there the cross-entropy moves the threshold against the budget. Blocks 1-11
+    of the cases that reduce something (block 12's thresholds decide nothing the cross-entropy sees)."""
+    against = n = 0
+    for case in cases:
+        for kind in ("merge", "prune"):
+            if case["r_flops"] > 0.999 or not case["ce"][kind]:
+                continue
+            for c, b in zip(case["ce"][kind][:-1], case["budget"][kind][:-1]):
+                n += 1
+                against += c * b < 0 and abs(c) > abs(b)
+    return against, n
+
+
 def all_gradients(**patch_options) -> tuple[dict, list[dict]]:
     ref = load_reference()
     model = load_model()
@@ -202,6 +225,17 @@ def main(argv: list[str] | None = None) -> int:
                 print("    " + "  ".join(f"{i + 1}: {a:+.3g} / {b:+.3g}" for i, (a, b) in enumerate(zip(o, r))))
     for part, (ok, n) in totals.items():
         print(f"\n{part}: {ok} of {n} entries with |reference| > 1e-2 agree (same sign, within 2x)")
+    print("\nmedian over blocks 1-11 of |cross-entropy part| / |budget part| (cases that reduce something):")
+    for case, mine in zip(ref["cases"], ours):
+        for kind in ("merge", "prune"):
+            if case["r_flops"] > 0.999 or not case["ce"][kind]:
+                continue
+            print(f"  {case['method']} merge {case['merge_threshold']} prune {case['prune_threshold']}, {kind}: "
+                  f"ours {ce_over_budget(mine, kind):.3g}, reference {ce_over_budget(case, kind):.3g}")
+    for who, cases in (("ours", ours), ("reference", ref["cases"])):
+        against, n = opposed(cases)
+        print(f"{who}: in {against} of {n} (case, threshold) pairs with some reduction the cross-entropy part "
+              f"opposes the budget part and outweighs it")
     if args.json:
         Path(args.json).write_text(json.dumps(ours, indent=1))
     return 0

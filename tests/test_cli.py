@@ -143,9 +143,11 @@ def test_thresholds_stay_within_the_range_of_their_scores(tiny_model, tiny_data,
 
 
 def test_resume_after_kill_matches_uninterrupted_run(tiny_model, tiny_data, tmp_path):
-    """Also the budget multiplier resumes (--budget constraint): without it the thresholds would differ."""
+    """Also the budget multiplier (--budget constraint) and Adam's moments resume: without them the thresholds
+    would differ."""
     full, broken = tmp_path / "full", tmp_path / "broken"
-    args = ["--steps", "12", "--checkpoint-every", "2", "--no-eval", "--augment", "timm", "--budget", "constraint"]
+    args = ["--steps", "12", "--checkpoint-every", "2", "--no-eval", "--augment", "timm", "--budget", "constraint",
+            "--optimizer", "adam", "--lr-merge", "1e-2"]
     assert main(train_args(tiny_model, tiny_data, full, *args)) == 0
     cmd = [sys.executable, "-m", "ltmp"] + train_args(tiny_model, tiny_data, broken, *args)
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

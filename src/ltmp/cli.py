@@ -59,7 +59,7 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(
         model=args.model, pretrained=args.pretrained, checkpoint=args.checkpoint, data_dir=args.data_dir,
         output=args.output, r_target=args.r_target, method=args.method, importance=args.importance, tau=args.tau,
-        lam=args.lam, budget=args.budget, lr_prune=args.lr_prune, lr_merge=args.lr_merge, merge_init=args.merge_init,
+        lam=args.lam, budget=args.budget, optimizer=args.optimizer, lr_prune=args.lr_prune, lr_merge=args.lr_merge, merge_init=args.merge_init,
         prune_init=args.prune_init, mask_grad=args.mask_grad, merge_grad=args.merge_grad, calibrate=args.calibrate,
         batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
         val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
@@ -443,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "dual ascent until r_FLOPs meets the target")
     t.add_argument("--lr-prune", type=float, default=5e-6)
     t.add_argument("--lr-merge", type=float, default=5e-3)
+    t.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"],
+                   help="sgd (the paper, no momentum) or adam (each threshold's step normalised by its gradient)")
     t.add_argument("--merge-init", type=float, default=0.9)
     t.add_argument("--prune-init", type=float, default=0.0)
     t.add_argument("--mask-grad", default="clamp", choices=["clamp", "eps", "secant"],

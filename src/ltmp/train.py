@@ -47,8 +47,9 @@ class TrainConfig:
     lam: float = 10.0  # lambda of eq. 15
     budget: str = "penalty"  # "penalty": lambda (r - r_target)^2 (eq. 14-15); "constraint": plus mu (r - r_target),
     #                          mu raised by dual ascent (mu += 2 lambda (r - r_target) per step) until r meets it
-    lr_prune: float = 5e-6  # SGD learning rate of the prune thresholds (paper)
-    lr_merge: float = 5e-3  # SGD learning rate of the merge thresholds (paper)
+    lr_prune: float = 5e-6  # learning rate of the prune thresholds (paper, SGD)
+    lr_merge: float = 5e-3  # learning rate of the merge thresholds (paper, SGD)
+    optimizer: str = "sgd"  # "sgd" (paper: no momentum) | "adam" (steps normalised per threshold)
     merge_init: float = 0.9  # initial merge thresholds (reference code)
     prune_init: float = 0.0  # initial prune thresholds (reference code)
     mask_grad: str = "clamp"  # bounded form of eq. 6's gradient to removed tokens' masks (ltmp.ops.MASK_GRADS)
@@ -240,10 +241,14 @@ class EpochIndexed(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig, mu: float = 0.0) -> None:
+def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig, mu: float = 0.0,
+                    opt: torch.optim.Optimizer | None = None) -> None:
     from safetensors.torch import save_file
 
     tensors = {k: v.contiguous() for k, v in threshold_tensors(model).items()}
+    for i, state in (opt.state_dict()["state"].items() if opt is not None else ()):  # Adam's moments and step
+        for key, value in state.items():
+            tensors[f"opt.{i}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
     meta = {"format": "ltmp-train-checkpoint", "step": str(step), "config": json.dumps(dataclasses.asdict(cfg)),
             "mu": repr(mu)}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
@@ -252,12 +257,12 @@ def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig, m
 #: settings that must not change when a run resumes (they decide which images and targets each step sees)
 RESUME_KEYS = ("model", "data_dir", "method", "importance", "r_target", "batch_size", "epochs", "steps", "seed",
                "holdout", "max_train_images", "augment", "train_split", "tau", "lam", "mask_grad", "merge_grad",
-               "budget")
+               "budget", "optimizer")
 
 
-def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tuple[int, float]:
+def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tuple[int, float, dict]:
     """Restore thresholds from a training checkpoint made with the same settings; returns the step to continue
-    from and the budget multiplier mu (``budget="constraint"``)."""
+    from, the budget multiplier mu (``budget="constraint"``) and the optimizer's per-parameter state."""
     from safetensors import safe_open
 
     try:
@@ -275,8 +280,12 @@ def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tup
         k = changed[0]
         raise TrainError(f"cannot resume {path.parent}: it was started with {k}={saved.get(k)!r}, not "
                          f"{now[k]!r}; resume with the same settings or use another --output")
+    opt_state: dict[int, dict] = {}
+    for key in [k for k in tensors if k.startswith("opt.")]:
+        _, i, name = key.split(".", 2)
+        opt_state.setdefault(int(i), {})[name] = tensors.pop(key)
     set_thresholds(model, tensors, str(path))
-    return int(meta["step"]), float(meta.get("mu", "0.0"))
+    return int(meta["step"]), float(meta.get("mu", "0.0")), opt_state
 
 
 # ---------------------------------------------------------------------------------------------------------- train
@@ -313,6 +322,8 @@ def validate(cfg: TrainConfig) -> None:
         raise TrainError(f"--r-target must lie in (0, 1], got {cfg.r_target}")
     if cfg.method not in ("ltmp", "ltpm", "ltm", "ltp"):
         raise TrainError(f"--method {cfg.method} has no thresholds to train; choose ltmp, ltpm, ltm or ltp")
+    if cfg.optimizer not in ("sgd", "adam"):
+        raise TrainError(f"unknown --optimizer '{cfg.optimizer}'; choose sgd or adam")
     if cfg.budget not in ("penalty", "constraint"):
         raise TrainError(f"unknown --budget '{cfg.budget}'; choose penalty or constraint")
     if cfg.batch_size < 1 or (cfg.steps is not None and cfg.steps < 1) or cfg.epochs <= 0:
@@ -346,13 +357,13 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     threshold_training_mode(model)
     train_set, indices, val_set, data_cfg = build_train_data(cfg, model)
     steps = total_steps(cfg, len(indices))
-    start, mu = 0, 0.0
+    start, mu, opt_state = 0, 0.0, {}
     if cfg.calibrate and not (resume and ckpt_path.exists()):
         calibrate(model, calibration_batch(model, train_set.root, cfg.calibrate_images, cfg.seed + 31, indices,
                                            train_set.classes), cfg.r_target, device)
         threshold_training_mode(model)
     if resume and ckpt_path.exists():
-        start, mu = load_checkpoint_state(model, ckpt_path, cfg)
+        start, mu, opt_state = load_checkpoint_state(model, ckpt_path, cfg)
     elif resume and (out / "thresholds.safetensors").exists():
         raise TrainError(f"{out} holds a finished run and no checkpoint; nothing to resume")
 
@@ -365,7 +376,14 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     prune_p = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
     groups = [g for g in ({"params": merge_p, "lr": cfg.lr_merge}, {"params": prune_p, "lr": cfg.lr_prune})
               if g["params"]]
-    opt = torch.optim.SGD(groups, lr=cfg.lr_merge, momentum=0.0)
+    if cfg.optimizer == "adam":
+        opt = torch.optim.Adam(groups, lr=cfg.lr_merge)
+    else:
+        opt = torch.optim.SGD(groups, lr=cfg.lr_merge, momentum=0.0)
+    if opt_state:
+        saved = opt.state_dict()
+        saved["state"] = opt_state
+        opt.load_state_dict(saved)
     # fp16 gradients of the thresholds underflow without loss scaling
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(cfg.amp, device) == torch.float16)
 
@@ -447,7 +465,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_v:.3f}", r_flops=f"{r_v:.3f}", img_s=f"{ips:.0f}")
                 if done % cfg.checkpoint_every == 0 and done < steps:
-                    save_checkpoint(model, ckpt_path, done, cfg, mu)
+                    save_checkpoint(model, ckpt_path, done, cfg, mu, opt)
     finally:
         if bar is not None:
             bar.close()
