@@ -2,8 +2,9 @@
 
 A block runs attention on the surviving tokens, then this step merges and/or prunes (in the method's order), then
 the MLP. Train mode keeps every token in the tensor and carries a straight-through keep mask that follows eq. 3's
-case rule: a surviving candidate takes this block's ``M(s, theta^l)``, a token removed earlier keeps its earlier
-mask (value 0, with the gradient path to the threshold that removed it); eval mode removes the tokens (:func:`ltmp.ops.compact`). Both run the masked
+case rule: a surviving candidate takes this block's masks (``1 - M_merge``, ``M_prune``, their product for a
+candidate of both), a token removed earlier keeps its earlier mask (value 0, with the gradient path to the
+threshold that removed it); eval mode removes the tokens (:func:`ltmp.ops.compact`). Both run the masked
 step :func:`reduce_step`, so they make the same decisions; a single image in eval mode runs
 :func:`_reduce_single`, the same step on index lists (fewer operator calls), which the tests hold to the same
 decisions; under ``torch.compile`` it runs the masked step, whose only data-dependent operation is compaction's
@@ -178,6 +179,9 @@ def reduce_step(
         return _reduce_single(x, state, cfg, importance, metric, merge_threshold, prune_threshold, rate)
     P = cfg.num_prefix
     keep, size, source = state.keep, state.size, state.source
+    # eq. 3: the tokens this block's modules consider take this block's masks, (1 - M_merge) * M_prune for a token
+    # that is a candidate of both; every other token keeps the mask it entered with (removed ones their old one)
+    entering, factor, touched = keep, None, None
     merged = pruned = x.new_zeros(B, dtype=torch.long)
     for op in cfg.ops:
         if op == "merge":
@@ -203,7 +207,9 @@ def reduce_step(
             x, size, source = ops.merge_tokens(x, size, weights.to(size.dtype), dst, source)
             if importance is not None:
                 importance = ops.group_max(importance, merge, dst)
-            keep = torch.where(is_a, 1 - merge, keep)  # eq. 3: set A takes this block's mask, the rest keep theirs
+            factor = 1 - merge if factor is None else factor * (1 - merge)  # (B, N); 1 outside set A
+            touched = is_a if touched is None else touched | is_a
+            keep = torch.where(touched, factor, entering)
             state = dataclasses.replace(state, merged_once=True, masked_once=True)
             merged = hard.sum(1)
         else:
@@ -223,7 +229,10 @@ def reduce_step(
                     cand.sum(1, keepdim=True))
                 pm = pm + (spare & drop).to(pm.dtype)
                 drop = drop & ~spare
-            keep = torch.where(cand, pm, keep)  # eq. 3: survivors take this block's mask, removed tokens keep theirs
+            pm = torch.where(cand, pm, torch.ones_like(pm))  # (B, N)
+            factor = pm if factor is None else factor * pm
+            touched = cand if touched is None else touched | cand
+            keep = torch.where(touched, factor, entering)
             state = dataclasses.replace(state, masked_once=True)
             pruned = drop.sum(1)
     patch_keep = keep[:, P:]  # (B, N - P)
