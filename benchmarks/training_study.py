@@ -13,6 +13,7 @@ and started again:
   learning rate of benchmarks/reproduce.py (3e-4, merge thresholds from 1.0).
 - ``optimizer``: the ``secant`` form with Adam (each threshold's step normalised by its gradient's size), with the
   paper's budget penalty (eq. 14-15) and with the budget as a constraint (``--budget constraint``, dual ascent).
+- ``procedure``: the ``secant`` form at r_target 0.85 to 0.45, with the paper's SGD and with Adam.
 
 Runs go to ``runs/study/<variant>-r<target>``.
 """
@@ -42,9 +43,13 @@ STUDIES: dict[str, tuple[tuple[float, ...], dict[str, list[str]]]] = {
         "clamp-recipe": ["--mask-grad", "clamp", *RECIPE],
         "secant-recipe": ["--mask-grad", "secant", *RECIPE],
     }),
-    "optimizer": ((0.7, 0.5), {
+    "optimizer": ((0.7,), {
         "secant-adam": ["--mask-grad", "secant", *ADAM],
         "secant-adam-constraint": ["--mask-grad", "secant", *ADAM, "--budget", "constraint"],
+    }),
+    "procedure": ((0.85, 0.75, 0.65, 0.55, 0.45, 0.7, 0.5), {
+        "secant-paper": ["--mask-grad", "secant", *PAPER],
+        "secant-adam": ["--mask-grad", "secant", *ADAM],
     }),
 }
 
@@ -100,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     for study in args.studies:
         targets, variants = STUDIES[study]
         if not args.table:
-            for name, extra in variants.items():
-                for target in targets:
+            for target in targets:  # every variant at one target before the next: partial results still pair up
+                for name, extra in variants.items():
                     train(runs / f"{name}-r{target}", target, extra)
         print(table(runs, study) + "\n", flush=True)
     return 0
