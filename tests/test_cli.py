@@ -72,18 +72,30 @@ def test_train_writes_thresholds_config_log_and_eval(tiny_model, tiny_data, tmp_
     assert [e["step"] for e in log] == [1, 2, 3, 4, 5]
     assert {"loss", "r_flops", "images_per_s"} <= set(log[0])
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["lr_merge"] == 5e-3 and cfg["total_steps"] == 5 and cfg["data_config"]["input_size"] == [3, 32, 32]
+    assert (cfg["optimizer"], cfg["lr_merge"], cfg["merge_init"]) == ("adam", 2e-3, 1.0)  # the optimizer's defaults
+    assert cfg["lr_prune"] == 5e-3 and cfg["total_steps"] == 5 and cfg["data_config"]["input_size"] == [3, 32, 32]
     ev = json.loads((out / "eval.json").read_text())
     assert ev["images"] == 18 and len(ev["per_layer"]) == 3
     first = log[0]["merge"]
-    assert thresholds_of(out / "thresholds.safetensors")["merge_threshold.0"] != pytest.approx(0.9)
-    assert first[0] != 0.9
+    assert thresholds_of(out / "thresholds.safetensors")["merge_threshold.0"] != pytest.approx(1.0)
+    assert first[0] != 1.0
     assert "thresholds:" in capsys.readouterr().out
+
+
+def test_optimizer_defaults_fill_only_what_is_not_given():
+    """--optimizer sgd without learning rates is the paper's recipe; a value given is kept."""
+    from ltmp.train import TrainConfig, resolve
+
+    base = dict(model="m", data_dir="d", output="o", r_target=0.5)
+    sgd = resolve(TrainConfig(**base, optimizer="sgd"))
+    assert (sgd.lr_merge, sgd.lr_prune, sgd.merge_init) == (5e-3, 5e-6, 0.9)
+    adam = resolve(TrainConfig(**base, lr_prune=1e-3))
+    assert (adam.optimizer, adam.lr_merge, adam.lr_prune, adam.merge_init) == ("adam", 2e-3, 1e-3, 1.0)
 
 
 def test_eval_json_has_stable_keys_and_fixed_rate_baselines(tiny_model, tiny_data, tmp_path):
     run = tmp_path / "run"
-    assert main(train_args(tiny_model, tiny_data, run, "--steps", "3", "--no-eval")) == 0
+    assert main(train_args(tiny_model, tiny_data, run, "--steps", "3", "--no-eval", "--optimizer", "sgd")) == 0
     a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
     common = ["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data),
               "--workers", "0", "--batch-size", "5"]
@@ -227,7 +239,7 @@ def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, ca
     elif case == "collapse":  # a prune step so large that block 1 prunes every patch token from step 2 on
         args = train_args(tiny_model, tiny_data, out, "--steps", "20")
         args[args.index("5e-3")], args[args.index("0.6")] = "1e4", "0.2"
-        expect = ("training stopped at step 11: block 2 removed every patch token of every image for 10 steps in a "
+        expect = ("training stopped at step 11: block 1 removed every patch token of every image for 10 steps in a "
                   "row (merge threshold ")
     else:
         (tmp_path / "t.safetensors").write_bytes(b"\x01\x02garbage")

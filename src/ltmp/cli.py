@@ -59,7 +59,8 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(
         model=args.model, pretrained=args.pretrained, checkpoint=args.checkpoint, data_dir=args.data_dir,
         output=args.output, r_target=args.r_target, method=args.method, importance=args.importance, tau=args.tau,
-        lam=args.lam, budget=args.budget, optimizer=args.optimizer, lr_prune=args.lr_prune, lr_merge=args.lr_merge, merge_init=args.merge_init,
+        lam=args.lam, budget=args.budget, optimizer=args.optimizer, lr_prune=args.lr_prune, lr_merge=args.lr_merge,
+        merge_init=args.merge_init,
         prune_init=args.prune_init, mask_grad=args.mask_grad, merge_grad=args.merge_grad, calibrate=args.calibrate,
         batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
         val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
@@ -441,13 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--budget", default="penalty", choices=["penalty", "constraint"],
                    help="penalty: lambda (r - r_target)^2 (the paper); constraint: plus a multiplier raised by "
                         "dual ascent until r_FLOPs meets the target")
-    t.add_argument("--lr-prune", type=float, default=5e-6)
-    t.add_argument("--lr-merge", type=float, default=5e-3)
-    t.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"],
-                   help="sgd (the paper, no momentum) or adam (each threshold's step normalised by its gradient)")
-    t.add_argument("--merge-init", type=float, default=0.9)
+    t.add_argument("--lr-prune", type=float, help="prune thresholds' learning rate (adam: 2e-4; sgd: 5e-6, the paper's)")
+    t.add_argument("--lr-merge", type=float, help="merge thresholds' learning rate (adam: 2e-3; sgd: 5e-3, the paper's)")
+    t.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
+                   help="adam (each threshold's step normalised by its gradient) or sgd (the paper's, no momentum)")
+    t.add_argument("--merge-init", type=float, help="initial merge thresholds (adam: 1.0; sgd: 0.9, the paper's)")
     t.add_argument("--prune-init", type=float, default=0.0)
-    t.add_argument("--mask-grad", default="clamp", choices=["clamp", "eps", "secant"],
+    t.add_argument("--mask-grad", default="secant", choices=["secant", "clamp", "eps"],
                    help="bounded form of eq. 6's gradient to removed tokens' masks (eps: the reference code's)")
     t.add_argument("--merge-grad", default="average", choices=["average", "mask"],
                    help="merge thresholds learn through the masks and merged averages, or the masks only")

@@ -8,7 +8,7 @@
 
 The paper's recipe (one epoch of batch 128) is about 10,000 steps on ImageNet; the bundled subset has 4,000
 images, i.e. 31 such steps, which barely moves the thresholds. The demo therefore starts from calibrated thresholds
-and trains for 2 epochs at batch 32 (250 steps) with the paper's learning rates.
+and trains for 2 epochs at batch 32 (250 steps) with ``ltmp train``'s defaults (docs/training.md).
 """
 from __future__ import annotations
 

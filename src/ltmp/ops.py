@@ -64,7 +64,7 @@ def masked_attention(
         keep: Tensor | None,
         log_size: Tensor | None,
         dropout: torch.nn.Module | None = None,
-        mask_grad: str = "clamp",
+        mask_grad: str = "secant",
 ) -> tuple[Tensor, Tensor]:
     """Attention with a multiplicative key mask and proportional attention, eq. 5-7.
 
@@ -132,11 +132,11 @@ class MaskedSoftmax(torch.autograd.Function):
     ``a_ij = exp(A_ij) / Z_i`` (``Z_i`` the kept keys' sum) is unbounded: it is huge in rows where the removed key
     would dominate (an attention sink). ``mask_grad`` picks a bounded form:
 
-    - ``"clamp"``: the row max is taken over kept keys and removed keys' exponents are clamped at it,
+    - ``"clamp"`` (ltmp before issue #16): the row max is taken over kept keys and removed keys' exponents are clamped at it,
       ``w_ij = min(exp(A_ij - max_kept), 1) / (Z_i exp(-max_kept)) <= 1``;
     - ``"eps"``: the reference code's, ``w_ij = exp(A_ij - max_all) / (Z_i exp(-max_all) + 1e-5)`` with the max over
       all keys, bounded only by 1e5;
-    - ``"secant"``: ``w_ij = a_ij / (1 + a_ij) = sigmoid(A_ij - log Z_i)``, the probability key j would get if it
+    - ``"secant"`` (the default): ``w_ij = a_ij / (1 + a_ij) = sigmoid(A_ij - log Z_i)``, the probability key j would get if it
       were restored. The straight-through mask stands for a 0 -> 1 flip, and restoring key j changes row i's output
       by exactly ``w_ij (v_j - o_i)``: the secant of the flip rather than the tangent at 0.
 
@@ -144,7 +144,7 @@ class MaskedSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, attn: Tensor, keep: Tensor, mask_grad: str = "clamp") -> Tensor:
+    def forward(ctx, attn: Tensor, keep: Tensor, mask_grad: str = "secant") -> Tensor:
         # attn (B, H, N, N), keep (B, N) straight-through 0/1 values
         kept = (keep > 0.5)[:, None, None, :]  # (B, 1, 1, N)
         row_max = attn.masked_fill(~kept, float("-inf")).amax(dim=-1, keepdim=True)  # (B, H, N, 1)

@@ -44,7 +44,7 @@ class ReduceConfig:
     num_prefix: int = 1  # prefix tokens (class, distillation, registers) at the front; never reduced
     keep_one: bool = False  # pruning always leaves one patch token (models that pool patch tokens)
     rate: tuple[int, ...] | None = None  # fixed-rate methods: tokens per layer (r for ToMe, k for top-k)
-    mask_grad: str = "clamp"  # train mode: bounded form of eq. 6's gradient to removed keys' masks (ops.MASK_GRADS)
+    mask_grad: str = "secant"  # train mode: bounded form of eq. 6's gradient to removed keys' masks (ops.MASK_GRADS)
     merge_grad: str = "average"  # train mode: merge thresholds learn through the masks of eq. 5-7 and the merged
     #                              averages ("average"), or through the masks only ("mask", the reference code)
     trace_source: bool = False  # carry a (B, N, N0) map of which patches each token covers (for viz)

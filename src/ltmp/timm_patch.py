@@ -97,7 +97,7 @@ def patch(
         r: int | Sequence[int] | None = None,
         k: int | Sequence[int] | None = None,
         trace_source: bool = False,
-        mask_grad: str = "clamp",
+        mask_grad: str = "secant",
         merge_grad: str = "average",
 ) -> nn.Module:
     """Make a timm VisionTransformer reduce its tokens with LTMP or a fixed-rate baseline, in place.
@@ -116,8 +116,8 @@ def patch(
         r: ToMe's tokens merged per layer (int or per-layer list).
         k: Top-k baselines' tokens pruned (and merged, for ``topk-mp``) per layer.
         trace_source: Record which patches each token covers after every block (for visualization).
-        mask_grad: Train mode: the bounded form of eq. 6's gradient to removed keys' masks, ``"clamp"``,
-            ``"eps"`` (the reference code's) or ``"secant"`` (see ``ltmp.ops.MaskedSoftmax``).
+        mask_grad: Train mode: the bounded form of eq. 6's gradient to removed keys' masks, ``"secant"``,
+            ``"clamp"`` or ``"eps"`` (the reference code's); see ``ltmp.ops.MaskedSoftmax``.
         merge_grad: Train mode: merge thresholds learn through the attention masks and the merged averages
             (``"average"``) or through the masks only (``"mask"``, as the reference code).
 

@@ -47,12 +47,12 @@ class TrainConfig:
     lam: float = 10.0  # lambda of eq. 15
     budget: str = "penalty"  # "penalty": lambda (r - r_target)^2 (eq. 14-15); "constraint": plus mu (r - r_target),
     #                          mu raised by dual ascent (mu += 2 lambda (r - r_target) per step) until r meets it
-    lr_prune: float = 5e-6  # learning rate of the prune thresholds (paper, SGD)
-    lr_merge: float = 5e-3  # learning rate of the merge thresholds (paper, SGD)
-    optimizer: str = "sgd"  # "sgd" (paper: no momentum) | "adam" (steps normalised per threshold)
-    merge_init: float = 0.9  # initial merge thresholds (reference code)
+    optimizer: str = "adam"  # "adam" (each threshold's step normalised by its gradient) | "sgd" (the paper's)
+    lr_prune: float | None = None  # prune thresholds' learning rate; None: OPTIMIZER_DEFAULTS (sgd: the paper's)
+    lr_merge: float | None = None  # merge thresholds' learning rate; None: OPTIMIZER_DEFAULTS
+    merge_init: float | None = None  # initial merge thresholds; None: OPTIMIZER_DEFAULTS (sgd: 0.9, the paper's)
     prune_init: float = 0.0  # initial prune thresholds (reference code)
-    mask_grad: str = "clamp"  # bounded form of eq. 6's gradient to removed tokens' masks (ltmp.ops.MASK_GRADS)
+    mask_grad: str = "secant"  # bounded form of eq. 6's gradient to removed tokens' masks (ltmp.ops.MASK_GRADS)
     merge_grad: str = "average"  # merge thresholds learn through masks and merged averages, or masks only ("mask")
     calibrate: bool = False  # start from thresholds bisected to hit r_target on a few images (no training)
     calibrate_images: int = 256  # images used by the calibration
@@ -72,6 +72,24 @@ class TrainConfig:
     device: str = "auto"
     eval_after: bool = True  # evaluate the trained thresholds on the validation split
     compile: bool = False  # torch.compile the train step's forward (one graph: train mode keeps every token)
+
+
+#: Learning rates and initial merge thresholds when not given, per optimizer (docs/training.md has the evidence):
+#: - adam: steps of about lr per step in each threshold's own units, 10x smaller for importance scores (mean
+#:   column attention, about 1/n) than for cosine similarities; from no reduction (merge 1.0, prune 0);
+#: - sgd: the paper's (lr 5e-3 merge, 5e-6 prune; the reference code's merge init 0.9).
+OPTIMIZER_DEFAULTS = {
+    "adam": {"lr_merge": 2e-3, "lr_prune": 2e-4, "merge_init": 1.0},
+    "sgd": {"lr_merge": 5e-3, "lr_prune": 5e-6, "merge_init": 0.9},
+}
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """The config with the optimizer's defaults filled in where a value was not given."""
+    if cfg.optimizer not in OPTIMIZER_DEFAULTS:
+        raise TrainError(f"unknown --optimizer '{cfg.optimizer}'; choose adam or sgd")
+    given = {k: v for k, v in OPTIMIZER_DEFAULTS[cfg.optimizer].items() if getattr(cfg, k) is None}
+    return dataclasses.replace(cfg, **given)
 
 
 # ----------------------------------------------------------------------------------------------- model and set-up
@@ -322,8 +340,6 @@ def validate(cfg: TrainConfig) -> None:
         raise TrainError(f"--r-target must lie in (0, 1], got {cfg.r_target}")
     if cfg.method not in ("ltmp", "ltpm", "ltm", "ltp"):
         raise TrainError(f"--method {cfg.method} has no thresholds to train; choose ltmp, ltpm, ltm or ltp")
-    if cfg.optimizer not in ("sgd", "adam"):
-        raise TrainError(f"unknown --optimizer '{cfg.optimizer}'; choose sgd or adam")
     if cfg.budget not in ("penalty", "constraint"):
         raise TrainError(f"unknown --budget '{cfg.budget}'; choose penalty or constraint")
     if cfg.batch_size < 1 or (cfg.steps is not None and cfg.steps < 1) or cfg.epochs <= 0:
@@ -339,6 +355,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     Returns:
         A summary (final thresholds file, steps, last r_FLOPs, and the validation result if ``eval_after``).
     """
+    cfg = resolve(cfg)
     validate(cfg)
     ddp, device = init_distributed(cfg.device)
     out = Path(cfg.output)
@@ -377,9 +394,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     groups = [g for g in ({"params": merge_p, "lr": cfg.lr_merge}, {"params": prune_p, "lr": cfg.lr_prune})
               if g["params"]]
     if cfg.optimizer == "adam":
-        opt = torch.optim.Adam(groups, lr=cfg.lr_merge)
+        opt = torch.optim.Adam(groups)
     else:
-        opt = torch.optim.SGD(groups, lr=cfg.lr_merge, momentum=0.0)
+        opt = torch.optim.SGD(groups, momentum=0.0)
     if opt_state:
         saved = opt.state_dict()
         saved["state"] = opt_state
