@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{c['top_0.1%']:.1%} | {c['top_1%']:.1%} | {c['sink_entries']:.2%} | {c['sink_share']:.1%} |")
         return 0
     ref, ours = all_gradients(mask_grad=args.mask_grad, merge_grad=args.merge_grad)
-    totals = {"ce": [0, 0], "budget": [0, 0]}
+    totals = {"ce": [0, 0], "budget": [0, 0], "budget without LTMP's merge thresholds": [0, 0]}
     for case, mine in zip(ref["cases"], ours):
         print(f"\n## {case['method']}, merge {case['merge_threshold']}, prune {case['prune_threshold']}: "
               f"r_FLOPs ours {mine['r_flops']:.3f} / reference {case['r_flops']:.3f}")
@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                 ok, n = agreement(o, r)
                 totals[part][0] += ok
                 totals[part][1] += n
+                if part == "budget" and not (case["method"] == "ltmp" and kind == "merge"):
+                    totals["budget without LTMP's merge thresholds"][0] += ok
+                    totals["budget without LTMP's merge thresholds"][1] += n
                 print(f"{part:>6} {kind:<5} agree {ok:>2}/{n:<2} | block: ours / reference")
                 print("    " + "  ".join(f"{i + 1}: {a:+.3g} / {b:+.3g}" for i, (a, b) in enumerate(zip(o, r))))
     for part, (ok, n) in totals.items():
