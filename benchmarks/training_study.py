@@ -30,8 +30,8 @@ SHARED = ROOT.parent / "shared"
 MODEL = f"local-dir:{SHARED / 'models' / 'vit-cifar10'}"
 DATA = str(SHARED / "data" / "cifar10" / "cifar10-jpeg.tar.gz")
 STEPS = 100
-PAPER = ["--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's (and ltmp train's) defaults, spelled out
-RECIPE = ["--lr-prune", "3e-4", "--merge-init", "1.0"]  # benchmarks/reproduce.py
+PAPER = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's
+RECIPE = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "3e-4", "--merge-init", "1.0"]  # reproduce.py
 #: Adam: steps of about lr per step in each threshold's own units, 10x smaller for importance (about 1/65 here)
 #: than for cosine similarities; from no reduction (merge 1.0, prune 0)
 ADAM = ["--optimizer", "adam", "--lr-merge", "2e-3", "--lr-prune", "2e-4", "--merge-init", "1.0"]
