@@ -25,10 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
-MODEL = f"local-dir:{SHARED / 'models' / 'vit-cifar10'}"
-DATA = str(SHARED / "data" / "cifar10" / "cifar10-jpeg.tar.gz")
+from cifar10_evidence import DATA, MODEL, ROOT
 STEPS = 100
 PAPER = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's
 RECIPE = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "3e-4", "--merge-init", "1.0"]  # reproduce.py

@@ -442,8 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--budget", default="penalty", choices=["penalty", "constraint"],
                    help="penalty: lambda (r - r_target)^2 (the paper); constraint: plus a multiplier raised by "
                         "dual ascent until r_FLOPs meets the target")
-    t.add_argument("--lr-prune", type=float, help="prune thresholds' learning rate (adam: 2e-4; sgd: 5e-6, the paper's)")
-    t.add_argument("--lr-merge", type=float, help="merge thresholds' learning rate (adam: 2e-3; sgd: 5e-3, the paper's)")
+    t.add_argument("--lr-prune", type=float,
+                   help="prune thresholds' learning rate (adam: 2e-4; sgd: 5e-6, the paper's)")
+    t.add_argument("--lr-merge", type=float,
+                   help="merge thresholds' learning rate (adam: 2e-3; sgd: 5e-3, the paper's)")
     t.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
                    help="adam (each threshold's step normalised by its gradient) or sgd (the paper's, no momentum)")
     t.add_argument("--merge-init", type=float, help="initial merge thresholds (adam: 1.0; sgd: 0.9, the paper's)")

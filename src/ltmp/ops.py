@@ -132,13 +132,13 @@ class MaskedSoftmax(torch.autograd.Function):
     ``a_ij = exp(A_ij) / Z_i`` (``Z_i`` the kept keys' sum) is unbounded: it is huge in rows where the removed key
     would dominate (an attention sink). ``mask_grad`` picks a bounded form:
 
-    - ``"clamp"`` (ltmp before issue #16): the row max is taken over kept keys and removed keys' exponents are clamped at it,
-      ``w_ij = min(exp(A_ij - max_kept), 1) / (Z_i exp(-max_kept)) <= 1``;
+    - ``"clamp"`` (ltmp before issue #16): the row max is taken over kept keys and removed keys' exponents are
+      clamped at it, ``w_ij = min(exp(A_ij - max_kept), 1) / (Z_i exp(-max_kept)) <= 1``;
     - ``"eps"``: the reference code's, ``w_ij = exp(A_ij - max_all) / (Z_i exp(-max_all) + 1e-5)`` with the max over
       all keys, bounded only by 1e5;
-    - ``"secant"`` (the default): ``w_ij = a_ij / (1 + a_ij) = sigmoid(A_ij - log Z_i)``, the probability key j would get if it
-      were restored. The straight-through mask stands for a 0 -> 1 flip, and restoring key j changes row i's output
-      by exactly ``w_ij (v_j - o_i)``: the secant of the flip rather than the tangent at 0.
+    - ``"secant"`` (the default): ``w_ij = a_ij / (1 + a_ij) = sigmoid(A_ij - log Z_i)``, the probability key j
+      would get if it were restored. The straight-through mask stands for a 0 -> 1 flip, and restoring key j
+      changes row i's output by exactly ``w_ij (v_j - o_i)``: the secant of the flip rather than the tangent at 0.
 
     The forward is the same in all three: exactly attention with the removed keys left out.
     """

@@ -34,6 +34,10 @@ METHODS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+#: How merge thresholds learn in train mode (``ReduceConfig.merge_grad``).
+MERGE_GRADS = ("average", "mask")
+
+
 @dataclasses.dataclass
 class ReduceConfig:
     """What one reduction step does; shared by all blocks of a patched model."""

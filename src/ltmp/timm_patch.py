@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from . import ops
 from .flops import ViTSpec
-from .reduce import (METHODS, ReduceConfig, StepResult, TokenState, initial_state, is_compiling, is_exporting,
-                     layer_rate, log_size, reduce_step)
+from .reduce import (MERGE_GRADS, METHODS, ReduceConfig, StepResult, TokenState, initial_state, is_compiling,
+                     is_exporting, layer_rate, log_size, reduce_step)
 
 SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token' or 'avg' pooling "
              "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*)")
@@ -133,8 +133,8 @@ def patch(
     depth = len(model.blocks) if hasattr(model, "blocks") else 0
     if mask_grad not in ops.MASK_GRADS:
         raise ValueError(f"unknown mask_grad '{mask_grad}'; choose one of: {', '.join(ops.MASK_GRADS)}")
-    if merge_grad not in ("average", "mask"):
-        raise ValueError(f"unknown merge_grad '{merge_grad}'; choose 'average' or 'mask'")
+    if merge_grad not in MERGE_GRADS:
+        raise ValueError(f"unknown merge_grad '{merge_grad}'; choose one of: {', '.join(MERGE_GRADS)}")
     cfg = ReduceConfig(method=method, tau=float(tau), importance=importance,
                        num_prefix=int(getattr(model, "num_prefix_tokens", 0)), trace_source=trace_source,
                        mask_grad=mask_grad, merge_grad=merge_grad)
