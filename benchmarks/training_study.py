@@ -14,6 +14,8 @@ and started again:
 - ``optimizer``: the ``secant`` form with Adam (each threshold's step normalised by its gradient's size), with the
   paper's budget penalty (eq. 14-15) and with the budget as a constraint (``--budget constraint``, dual ascent).
 - ``procedure``: the ``secant`` form at r_target 0.85 to 0.45, with the paper's SGD and with Adam.
+- ``beyond``: the defaults (``secant``, Adam) with distillation from the unreduced model's logits (``--distill
+  1``) and from a calibrated start (``--calibrate``), at r_target 0.7 and 0.5.
 
 Runs go to ``runs/study/<variant>-r<target>``.
 """
@@ -47,6 +49,10 @@ STUDIES: dict[str, tuple[tuple[float, ...], dict[str, list[str]]]] = {
     "procedure": ((0.85, 0.75, 0.65, 0.55, 0.45, 0.7, 0.5), {
         "secant-paper": ["--mask-grad", "secant", *PAPER],
         "secant-adam": ["--mask-grad", "secant", *ADAM],
+    }),
+    "beyond": ((0.7, 0.5), {  # point 4 of #16, against secant-adam of "procedure"
+        "secant-adam-distill": ["--mask-grad", "secant", *ADAM, "--distill", "1"],
+        "secant-adam-calibrate": ["--mask-grad", "secant", *ADAM, "--calibrate"],
     }),
 }
 

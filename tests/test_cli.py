@@ -93,6 +93,33 @@ def test_optimizer_defaults_fill_only_what_is_not_given():
     assert (adam.optimizer, adam.lr_merge, adam.lr_prune, adam.merge_init) == ("adam", 2e-3, 1e-3, 1.0)
 
 
+def test_distill_mixes_label_and_teacher_terms(tiny_model, tiny_data, tmp_path, capsys):
+    """--distill W: task loss (1 - W) CE + W KL(unreduced || reduced); the teacher is the same weights unreduced,
+    so the KL is 0 while nothing is removed (step 1, from merge 1.0 and prune 0) and positive once tokens go."""
+    out = tmp_path / "run"
+    assert main(train_args(tiny_model, tiny_data, out, "--steps", "6", "--no-eval", "--distill", "0.5")) == 0
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert log[0]["r_flops"] == pytest.approx(1.0) and log[0]["task"] == pytest.approx(0.5 * log[0]["ce"], rel=1e-5)
+    assert json.loads((out / "config.json").read_text())["distill"] == 0.5
+    merged = tmp_path / "merged"  # merge threshold 0.3: most tokens merge from step 1 on, and the outputs part
+    assert main(train_args(tiny_model, tiny_data, merged, "--steps", "1", "--no-eval", "--distill", "1",
+                           "--merge-init", "0.3")) == 0
+    first = json.loads((merged / "log.jsonl").read_text().splitlines()[0])
+    assert first["r_flops"] < 0.8 and first["task"] > 1e-7  # (a random tiny model: its outputs barely change)
+    assert main(train_args(tiny_model, tiny_data, tmp_path / "bad", "--distill", "2")) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "ltmp: error: --distill is a weight in [0, 1] (0: labels only, 1: teacher only), got 2.0")
+
+
+def test_distill_loss_is_kl_from_the_teacher():
+    from ltmp.train import distill_loss
+
+    student, teacher = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0]]), torch.tensor([[2.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    p, q = teacher.softmax(-1), student.softmax(-1)
+    by_hand = (p * (p.log() - q.log())).sum(-1).mean()  # row 2 is identical: KL 0
+    assert float(distill_loss(student, teacher)) == pytest.approx(float(by_hand), rel=1e-6)
+
+
 def test_eval_json_has_stable_keys_and_fixed_rate_baselines(tiny_model, tiny_data, tmp_path):
     run = tmp_path / "run"
     assert main(train_args(tiny_model, tiny_data, run, "--steps", "3", "--no-eval", "--optimizer", "sgd")) == 0

@@ -62,6 +62,7 @@ def cmd_train(args) -> int:
         lam=args.lam, budget=args.budget, optimizer=args.optimizer, lr_prune=args.lr_prune, lr_merge=args.lr_merge,
         merge_init=args.merge_init,
         prune_init=args.prune_init, mask_grad=args.mask_grad, merge_grad=args.merge_grad, calibrate=args.calibrate,
+        distill=args.distill,
         batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
         val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
         augment=args.augment, amp=args.amp, seed=args.seed, checkpoint_every=args.checkpoint_every,
@@ -456,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge thresholds learn through the masks and merged averages, or the masks only")
     t.add_argument("--calibrate", action="store_true",
                    help="start from thresholds bisected to hit --r-target on 256 training images")
+    t.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="weight of distillation from the unreduced model's logits in the task loss (0: labels "
+                        "only, the paper; 1: teacher only)")
     t.add_argument("--epochs", type=float, default=1.0)
     t.add_argument("--steps", type=int, help="optimizer steps (overrides --epochs)")
     t.add_argument("--holdout", type=float, default=0.0, help="fraction of train held out for validation")

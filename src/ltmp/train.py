@@ -6,6 +6,7 @@ No argparse and no globals: ``ltmp.cli`` builds a :class:`TrainConfig` and calls
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -55,6 +56,7 @@ class TrainConfig:
     mask_grad: str = "secant"  # bounded form of eq. 6's gradient to removed tokens' masks (ltmp.ops.MASK_GRADS)
     merge_grad: str = "average"  # merge thresholds learn through masks and merged averages, or masks only ("mask")
     calibrate: bool = False  # start from thresholds bisected to hit r_target on a few images (no training)
+    distill: float = 0.0  # weight w of distillation: task loss (1 - w) CE(labels) + w KL(unreduced model || reduced)
     calibrate_images: int = 256  # images used by the calibration
     batch_size: int = 128  # global batch, split over processes
     epochs: float = 1.0  # passes over the training images (ignored if steps is set)
@@ -275,7 +277,7 @@ def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig, m
 #: settings that must not change when a run resumes (they decide which images and targets each step sees)
 RESUME_KEYS = ("model", "data_dir", "method", "importance", "r_target", "batch_size", "epochs", "steps", "seed",
                "holdout", "max_train_images", "augment", "train_split", "tau", "lam", "mask_grad", "merge_grad",
-               "budget", "optimizer")
+               "budget", "optimizer", "distill")
 
 
 def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tuple[int, float, dict]:
@@ -342,6 +344,8 @@ def validate(cfg: TrainConfig) -> None:
         raise TrainError(f"--method {cfg.method} has no thresholds to train; choose ltmp, ltpm, ltm or ltp")
     if cfg.budget not in ("penalty", "constraint"):
         raise TrainError(f"unknown --budget '{cfg.budget}'; choose penalty or constraint")
+    if not 0.0 <= cfg.distill <= 1.0:
+        raise TrainError(f"--distill is a weight in [0, 1] (0: labels only, 1: teacher only), got {cfg.distill}")
     if cfg.batch_size < 1 or (cfg.steps is not None and cfg.steps < 1) or cfg.epochs <= 0:
         raise TrainError("--batch-size, --steps and --epochs must be positive")
 
@@ -368,6 +372,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             ckpt_path.unlink()  # a stale checkpoint of an earlier run must not be resumed later
     torch.manual_seed(cfg.seed)
     model = create_model(cfg.model, cfg.pretrained, cfg.checkpoint)
+    teacher = None
+    if cfg.distill > 0:  # the same weights without reduction: its logits are the target of the distillation term
+        teacher = copy.deepcopy(model).eval().requires_grad_(False).to(device)
     patch(model, cfg.method, tau=cfg.tau, importance=cfg.importance, merge_threshold=cfg.merge_init,
           prune_threshold=cfg.prune_init, mask_grad=cfg.mask_grad, merge_grad=cfg.merge_grad)
     model.to(device)
@@ -447,13 +454,19 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             with amp_context(cfg.amp, device):
                 logits = net(imgs)
             ce = F.cross_entropy(logits.float(), labels)
+            task = ce
+            if teacher is not None:
+                with torch.no_grad(), amp_context(cfg.amp, device):
+                    target_logits = teacher(imgs)  # (B, classes)
+                kd = distill_loss(logits.float(), target_logits.float())
+                task = (1 - cfg.distill) * ce + cfg.distill * kd
             r = ltmp.r_flops(model).mean()
             if ddp.world > 1:
                 from torch.distributed.nn.functional import all_reduce
 
                 r = all_reduce(r) / ddp.world  # differentiable: the budget loss is non-linear in the batch mean
             reg = budget_loss_value(r, cfg.r_target)
-            loss = ce + cfg.lam * reg
+            loss = task + cfg.lam * reg  # eq. 15, with the distillation term in the task loss if asked
             if cfg.budget == "constraint":
                 loss = loss + mu * (r - cfg.r_target)
             empty_runs = _collapse_check(model, ddp, empty_runs)
@@ -470,11 +483,14 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             done = step + 1
             if ddp.main:
                 ips = seen / max(time.perf_counter() - t0, 1e-9)
-                values = torch.stack([v.detach().float().reshape(()) for v in (loss, ce, reg, r, *merge_p, *prune_p)])
-                loss_v, ce_v, reg_v, r_v, *th = values.tolist()  # one host synchronisation per step, not 4 + 2L
+                values = torch.stack([v.detach().float().reshape(()) for v in (loss, ce, task, reg, r, *merge_p,
+                                                                                    *prune_p)])
+                loss_v, ce_v, task_v, reg_v, r_v, *th = values.tolist()  # one host synchronisation per step
                 last = {"step": done, "loss": loss_v, "ce": ce_v, "budget": reg_v, "r_flops": r_v,
                         "images_per_s": round(ips, 1), "skipped": skipped, "mu": mu,
                         "merge": th[:len(merge_p)], "prune": th[len(merge_p):]}
+                if teacher is not None:
+                    last["task"] = task_v  # (1 - w) CE + w KL
                 if done % cfg.log_every == 0 or done == steps:
                     log_f.write(json.dumps(last) + "\n")
                     log_f.flush()
@@ -506,6 +522,17 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         result["eval"] = evaluate(model, loader, device, amp=cfg.amp, progress=progress, model_name=cfg.model)
         atomic_write(out / "eval.json", lambda tmp: Path(tmp).write_text(json.dumps(result["eval"], indent=2)))
     return result
+
+
+def distill_loss(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student), averaged over the batch: the unreduced model's class probabilities as soft labels.
+
+    Args:
+        logits: (B, classes) of the reduced model.
+        target_logits: (B, classes) of the same weights without reduction (no gradient).
+    """
+    return F.kl_div(F.log_softmax(logits, -1), F.log_softmax(target_logits, -1), log_target=True,
+                    reduction="batchmean")
 
 
 @torch.no_grad()
