@@ -103,6 +103,18 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"]
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_saved_files_get_the_umask_mode(tmp_path, umask, mode):
+    """Teammates can read what ltmp writes (as with open()), and a private umask keeps it private."""
+    old = os.umask(umask)
+    try:
+        ltmp.save_thresholds(trained_like(), tmp_path / "t.safetensors")
+        ltmp.save_thresholds(trained_like(), tmp_path / "t.safetensors")  # overwriting keeps the mode too
+    finally:
+        os.umask(old)
+    assert (tmp_path / "t.safetensors").stat().st_mode & 0o777 == mode
+
+
 def test_fixed_rate_models_have_nothing_to_save(tmp_path):
     with pytest.raises(ValueError, match="learned-threshold method"):
         ltmp.save_thresholds(ltmp.patch(make_model("cls"), "tome", r=2), tmp_path / "t.safetensors")

@@ -43,14 +43,24 @@ def describe(model: nn.Module) -> dict[str, str]:
     }
 
 
+def _umask() -> int:
+    """The process umask (only readable by setting it, so it is set straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, write) -> None:
-    """Write a file atomically: ``write(tmp_path)`` then rename over ``path``; a crash leaves no partial file."""
+    """Write a file atomically: ``write(tmp_path)`` then rename over ``path``; a crash leaves no partial file.
+    The file gets the mode a plain ``open()`` would give it (0o666 less the umask, typically 0o644), not
+    ``mkstemp``'s private 0o600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
