@@ -16,4 +16,5 @@ demo: setup
 	$(BIN)/ltmp demo
 
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests

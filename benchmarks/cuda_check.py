@@ -1,7 +1,8 @@
 """Do the CUDA paths compute what the CPU paths compute? A check for a lent GPU machine (issue #5), never in CI.
 
-For the CIFAR-10 ViT and the DeiT-S shape of benchmarks/speed.py (random weights, 224x224), with LTMP thresholds calibrated on the
-CPU (``calibrate(mode="quantile")``, r_target 0.6) and copied to the GPU, it compares in fp32 (TF32 off):
+For the CIFAR-10 ViT and the DeiT-S shape of benchmarks/speed.py (random weights, 224x224), with LTMP thresholds
+calibrated on the CPU (``calibrate(mode="quantile")``, r_target 0.6) and copied to the GPU, it compares in fp32
+(TF32 off):
 
 - eval, batch 16: logits of CUDA vs CPU, and the kept token counts per image and block;
 - eval on CUDA: the padded batch of 16 against the same images one at a time (padding changes nothing);

@@ -62,7 +62,7 @@ def main() -> None:
             red.eval()
             plans = []
             real = ops.plan_buckets
-            ops.plan_buckets = lambda *a: plans.append(real(*a)) or plans[-1]
+            ops.plan_buckets = lambda *a, plans=plans, real=real: plans.append(real(*a)) or plans[-1]
             try:
                 red(x)
             finally:

@@ -80,7 +80,8 @@ def main() -> None:
                          if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
             kernels = f", {dev_us / 1e3 / args.forwards:.2f} ms of GPU kernels"
         print(f"\n== {name}: {1000 * wall:.2f} ms wall per forward (unprofiled){kernels}, "
-              f"{total / 1e3 / args.forwards:.2f} ms self CPU, {calls / args.forwards:.0f} aten operator calls per forward")
+              f"{total / 1e3 / args.forwards:.2f} ms self CPU, "
+              f"{calls / args.forwards:.0f} aten operator calls per forward")
         print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.rows))
 
 

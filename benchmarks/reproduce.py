@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from cifar10_evidence import DATA, MODEL, ROOT, run
-
 from ltmp.train import mcnemar
 
 STEPS = 50  # optimizer steps of batch 128 per run (6,400 training images), as before issue #16
@@ -470,7 +469,6 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, pilots, long_run) -
                   f"early {early[0]:.1f} merged / {early[1]:.1f} pruned, late {late[0]:.1f} / {late[1]:.1f}",
                   "agrees" if early[0] > early[1] and late[1] > late[0] else
                   ("partly: merging dominates early" if early[0] > early[1] else "disagrees")))
-        first = json.loads((Path(lt["folder"]) / "log.jsonl").read_text().splitlines()[0])
         log = [json.loads(line) for line in (Path(lt["folder"]) / "log.jsonl").read_text().splitlines() if line]
         L.append("Thresholds of LTMP r_target 0.5 (blocks 1 / 6 / 12, from its log.jsonl): " + "; ".join(
             f"after step {rec['step']}: merge " + " / ".join(f"{rec['merge'][b]:.3f}" for b in (0, half - 1, -1))
@@ -498,7 +496,8 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, pilots, long_run) -
                  f"{d} | {min(rfs):.3f}-{max(rfs):.3f} | {was.cell('5', 'seeds done', r_target=t)}, "
                  f"{was.cell('5', 'range', r_target=t)} | {was.cell('5', 'LTMP - ToMe, mean +- std', r_target=t)} |")
         if len(runs) > 1:
-            S.append((f"5. seed spread (r {t}, {len(runs)} seeds)", "range 0.03-0.05", f"range {max(accs) - min(accs):.2f}",
+            S.append((f"5. seed spread (r {t}, {len(runs)} seeds)", "range 0.03-0.05",
+                      f"range {max(accs) - min(accs):.2f}",
                       "agrees" if max(accs) - min(accs) <= 0.1 else "larger here"))
     L += ["", "Paper (DeiT-S, 5 seeds at r_target 0.80 / 0.62 / 0.55 / 0.45): accuracy ranges 0.030 / 0.034 / "
           "0.032 / 0.050 points (Appendix B)."]
@@ -529,7 +528,8 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, pilots, long_run) -
                      f"vs {long_run['r_flops']:.3f}; {STEPS} steps - epoch {paired(short, long_run)}.")
             L += [f"\nBefore #16: {line}" for line in was.data["lines"].get("6", [])]
         L.append("\nFor reference, before #16 the paper's own recipe (1 epoch, merge init 0.9, prune lr 5e-6, "
-                 "which pruned nothing on this model) reached its one-epoch result within 0.25 points after 25-50 steps: "
+                 "which pruned nothing on this model) reached its one-epoch result within 0.25 points after 25-50 "
+                 "steps: "
                  "[training.md](training.md#budget-does-one-epoch-reach-the-target). Paper: one epoch of ImageNet "
                  "(about 10,000 steps); no study of fewer.")
     # claim 7
@@ -542,7 +542,8 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, pilots, long_run) -
     for t in TARGETS:
         lt, _, cal = c1[t]
         L.append(f"| {t} | {rf(cal)} | {top1(cal)} | {rf(lt)} | {top1(lt)} | {paired(cal, lt)} | "
-                 f"{was.cell('7', 'trained top-1', r_target=t)} | {was.cell('7', 'calibrated - trained (p)', r_target=t)} |")
+                 f"{was.cell('7', 'trained top-1', r_target=t)} | "
+                 f"{was.cell('7', 'calibrated - trained (p)', r_target=t)} |")
     cal = [(c1[t][2], c1[t][0]) for t in TARGETS if c1[t][2] is not None and c1[t][0] is not None]
     if cal:
         ps = [mcnemar(a["correct"], b["correct"])["p_value"] for a, b in cal]

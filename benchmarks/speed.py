@@ -214,7 +214,7 @@ def run_model(name: str, args, device) -> dict:
                       flush=True)
             row["batch"][bs] = res
             row["ltmp_vs"][bs] = vs = {b: paired_ratio(t, "ltmp", b) for b in ("tome", "tome@exec") if b in t}
-            print("   batch {:>2} ltmp / ".format(bs) + ", ltmp / ".join(
+            print(f"   batch {bs:>2} ltmp / " + ", ltmp / ".join(
                 f"{b} {v['median']:.3f} (IQR {v['p25']:.3f}-{v['p75']:.3f})" for b, v in vs.items()), flush=True)
         out["targets"].append(row)
     # training cost and memory, with the thresholds of the last target
@@ -255,7 +255,8 @@ def markdown(result: dict) -> str:
     cmd = result["command"].split()  # runs before "singles" was recorded: from the command line
     singles = result.get("singles", int(cmd[cmd.index("--singles") + 1]) if "--singles" in cmd else 8)
     lines = [f"Measured on: {env['device_name']}{amp}, torch {env['torch']}, timm {env['timm']}. Produced by "
-             f"`{result['command']}`. `ms` is one timed repetition: {singles} different images one at a time (batch 1), "
+             f"`{result['command']}`. `ms` is one timed repetition: {singles} different images one at a time "
+             "(batch 1), "
              f"or one batch of {result['models'][0].get('batch_size', 32)}; medians over interleaved rounds. "
              f"Time and GMACs ratios are to the dense model; a time ratio is the median over rounds of that "
              f"round's ratio (quartiles in parentheses where recorded), so that a slow spell of the machine cancels "

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from cifar10_evidence import DATA, MODEL, ROOT
+
 STEPS = 100
 PAPER = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's
 RECIPE = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "3e-4", "--merge-init", "1.0"]  # reproduce.py

@@ -114,7 +114,8 @@ def test_distill_mixes_label_and_teacher_terms(tiny_model, tiny_data, tmp_path, 
 def test_distill_loss_is_kl_from_the_teacher():
     from ltmp.train import distill_loss
 
-    student, teacher = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0]]), torch.tensor([[2.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    student = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 0.0]])
+    teacher = torch.tensor([[2.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     p, q = teacher.softmax(-1), student.softmax(-1)
     by_hand = (p * (p.log() - q.log())).sum(-1).mean()  # row 2 is identical: KL 0
     assert float(distill_loss(student, teacher)) == pytest.approx(float(by_hand), rel=1e-6)

@@ -305,7 +305,8 @@ def test_similarity_scores_stay_in_float32_under_autocast():
     assert score.dtype == sim.dtype == torch.float32
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(score)) and torch.equal(dst, ref_dst)
-    assert torch.allclose(score[fin].double(), ref[fin], atol=1e-6, rtol=0), (score[fin].double() - ref[fin]).abs().max()
+    err = (score[fin].double() - ref[fin]).abs().max()
+    assert torch.allclose(score[fin].double(), ref[fin], atol=1e-6, rtol=0), err
 
 
 def test_plan_buckets_on_a_large_batch_considers_few_splits():

@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ._version import __version__ as __version__
 from .flops import ViTSpec, budget_loss_value, dense_gmacs, gmacs, gmacs_executed, r_flops_from_fracs
 from .reduce import METHODS
 from .thresholds import load_thresholds, read_thresholds, save_thresholds
 from .timm_patch import Record, patch, unpatch, vit_spec
-
-__version__ = "0.1.0"
 
 __all__ = [
     "METHODS", "Record", "ViTSpec", "budget_loss", "dense_gmacs", "gmacs", "gmacs_executed", "load_thresholds",

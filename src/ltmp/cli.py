@@ -7,6 +7,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from ._version import __version__
+
 
 class CLIError(Exception):
     """A user error: printed as one line, exit code 2, no traceback."""
@@ -43,6 +45,7 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_flops(args) -> int:
     import ltmp
+
     from .train import create_model
 
     model = create_model(args.model)
@@ -99,6 +102,7 @@ def cmd_eval(args) -> int:
     from torch.utils.data import DataLoader
 
     import ltmp
+
     from . import data as ldata
     from .train import compile_model, create_model, evaluate, pick_device, rate_schedule
 
@@ -163,6 +167,7 @@ def cmd_bench(args) -> int:
     import torch
 
     import ltmp
+
     from .bench import compare_models, paired_ratio
     from .train import compile_model, create_model, pick_device
 
@@ -300,6 +305,7 @@ def cmd_analyze(args) -> int:
     from torch.utils.data import DataLoader
 
     import ltmp
+
     from . import data as ldata
     from .analysis import kendall_tau, layer_counts, plot_kendall, plot_layer_boxes
     from .demo import BUNDLED_DATA
@@ -339,6 +345,7 @@ def cmd_analyze(args) -> int:
 
 def cmd_calibrate(args) -> int:
     import ltmp
+
     from . import data as ldata
     from .demo import BUNDLED_DATA
     from .train import calibrate, calibration_batch, pick_device
@@ -425,6 +432,7 @@ def cmd_pretrain(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ltmp", description="Learned Thresholds token Merging and Pruning for timm ViTs")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--version", action="version", version=f"ltmp {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     f = sub.add_parser("flops", help="dense GMACs of a timm ViT (fvcore convention)")

@@ -13,8 +13,8 @@ import hashlib
 import os
 import random
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from PIL import Image

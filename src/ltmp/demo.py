@@ -62,6 +62,7 @@ def _timed_row(model, x: torch.Tensor, ev: dict, label: str, r_target: str) -> d
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     import ltmp
+
     from .viz import denormalize, layer_groups, plot_layers, plot_pareto
 
     t_start = time.perf_counter()

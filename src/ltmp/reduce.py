@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

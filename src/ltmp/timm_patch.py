@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +17,19 @@ from torch import Tensor, nn
 
 from . import ops
 from .flops import ViTSpec
-from .reduce import (MERGE_GRADS, METHODS, ReduceConfig, StepResult, TokenState, initial_state, is_compiling,
-                     is_exporting, layer_rate, log_size, reduce_step)
+from .reduce import (
+    MERGE_GRADS,
+    METHODS,
+    ReduceConfig,
+    StepResult,
+    TokenState,
+    initial_state,
+    is_compiling,
+    is_exporting,
+    layer_rate,
+    log_size,
+    reduce_step,
+)
 
 SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token' or 'avg' pooling "
              "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*)")

@@ -12,8 +12,8 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
