@@ -17,8 +17,9 @@ from torch.utils.data import DataLoader
 
 import ltmp
 from ltmp import data as ldata
+from ltmp.evaluate import evaluate
+from ltmp.runtime import create_model
 from ltmp.thresholds import atomic_write, set_thresholds
-from ltmp.train import create_model, evaluate
 
 
 def thresholds_at(log: list[dict], step: int, cfg: dict, depth: int) -> dict[str, torch.Tensor]:

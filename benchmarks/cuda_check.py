@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 import ltmp
+from ltmp.calibrate import calibrate
 from ltmp.thresholds import set_thresholds, threshold_tensors
-from ltmp.train import calibrate
 from speed import load_images, load_model
 
 FAILED: list[str] = []

@@ -19,7 +19,7 @@ import torch
 import ltmp
 from ltmp import ops, timm_patch
 from ltmp.bench import compare_models, paired_ratio
-from ltmp.train import calibrate
+from ltmp.calibrate import calibrate
 from speed import at_gmacs, load_images, load_model
 
 

@@ -18,8 +18,8 @@ import torch
 
 import ltmp
 from ltmp.bench import compare_models, paired_ratio
+from ltmp.calibrate import calibrate
 from ltmp.reduce import ReduceConfig, TokenState, reduce_step
-from ltmp.train import calibrate
 from speed import at_gmacs, load_images, load_model
 
 

@@ -22,7 +22,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import ltmp
-from ltmp.train import calibrate
+from ltmp.calibrate import calibrate
 from speed import at_gmacs, load_images, load_model
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from cifar10_evidence import DATA, MODEL, ROOT, run
-from ltmp.train import mcnemar
+from ltmp.significance import holm, mcnemar
 
 STEPS = 50  # optimizer steps of batch 128 per run (6,400 training images), as before issue #16
 EPOCH_STEPS = 382  # one epoch of the 49,000 training images left after the 2% hold-out
@@ -186,17 +186,6 @@ def paired(a: dict | None, b: dict | None) -> str:
         return "pending"
     t = mcnemar(a["correct"], b["correct"])
     return f"{a['top1'] - b['top1']:+.2f} (p={t['p_value']:.2g})"
-
-
-def holm(pvalues: list[float]) -> list[float]:
-    """Holm-Bonferroni adjusted p-values (family-wise error over the whole list); statsmodels'
-    ``multipletests`` does the same but is not a dependency, scipy has only Benjamini-Hochberg."""
-    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
-    adjusted, running = [0.0] * len(pvalues), 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
-        adjusted[i] = running
-    return adjusted
 
 
 def rf(r: dict | None) -> str:

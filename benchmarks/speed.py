@@ -51,10 +51,12 @@ import torch
 import ltmp
 from ltmp import data as ldata
 from ltmp.bench import _sync, compare_models, paired_ratio
+from ltmp.calibrate import calibrate
 from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
+from ltmp.flops import rate_schedule
+from ltmp.runtime import compile_model, pick_device
 from ltmp.thresholds import set_thresholds, threshold_tensors
 from ltmp.timm_patch import forward_cut
-from ltmp.train import calibrate, compile_model, pick_device, rate_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MODEL = ROOT.parent / "shared" / "models" / "vit-cifar10"

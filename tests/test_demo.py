@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 import ltmp
 from conftest import THRESHOLDS, images, make_model
+from ltmp.calibrate import calibrate
 from ltmp.cli import main
-from ltmp.train import calibrate
 from ltmp.viz import layer_groups, render_groups
 from test_cli import tiny_data, tiny_model  # noqa: F401  (fixtures)
 
@@ -90,7 +90,7 @@ def test_bundled_assets_load_and_fit_the_size_budget():
 
     total = sum(p.stat().st_size for p in assets().rglob("*") if p.is_file())
     assert total < 10e6
-    model = ltmp.train.create_model(BUNDLED_MODEL, pretrained=True)
+    model = ltmp.runtime.create_model(BUNDLED_MODEL, pretrained=True)
     shared = load_file(str(assets() / "vit-cifar10" / "model.safetensors"))
     assert all(v.dtype == torch.float16 for v in shared.values())
     assert model.patch_embed.num_patches == 64
@@ -108,8 +108,8 @@ def test_calibrate_cli_writes_thresholds_that_hit_the_target(tiny_model, tiny_da
     assert main(["calibrate", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--r-target",
                  "0.6", "--mode", mode, "--images", "40", "--output", str(out)]) == 0
     assert "r_FLOPs" in capsys.readouterr().out
-    model = ltmp.load_thresholds(ltmp.train.create_model(tiny_model, pretrained=True), out)
-    from ltmp.train import calibration_batch
+    model = ltmp.load_thresholds(ltmp.runtime.create_model(tiny_model, pretrained=True), out)
+    from ltmp.calibrate import calibration_batch
 
     x = calibration_batch(model, tiny_data / "train", 40, 0)
     assert len(x) == 40

@@ -70,7 +70,7 @@ def test_executed_gmacs_count_padding():
 
 @pytest.mark.parametrize("method,rate", [("tome", [20, 9, 5]), ("topk-prune", [30, 30, 30]), ("topk-mp", [9, 9, 9])])
 def test_schedule_counts_are_the_counts_a_fixed_rate_model_keeps(method, rate):
-    from ltmp.train import schedule_counts
+    from ltmp.flops import schedule_counts
 
     model = make_model("cls")
     ltmp.patch(model, method, **({"r": rate} if method == "tome" else {"k": rate}))
@@ -83,7 +83,7 @@ def test_schedule_counts_are_the_counts_a_fixed_rate_model_keeps(method, rate):
 
 @pytest.mark.parametrize("method", ["tome", "topk-prune", "topk-mp"])
 def test_rate_schedule_lands_on_the_target_gmacs(method):
-    from ltmp.train import rate_schedule, schedule_counts
+    from ltmp.flops import rate_schedule, schedule_counts
 
     with torch.device("meta"):
         model = timm.create_model("deit_small_patch16_224")

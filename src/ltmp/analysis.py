@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .errors import LtmpError
 from .viz import save_figure
 
 
@@ -19,7 +20,7 @@ def layer_counts(model: nn.Module, loader, device: torch.device | str = "cpu",
     Returns:
         ``merged``, ``pruned``, ``kept``: (images, L) int arrays.
     """
-    import ltmp
+    from .record import stats
 
     model.eval().to(device)
     out: dict[str, list] = {"merged": [], "pruned": [], "kept": []}
@@ -29,7 +30,7 @@ def layer_counts(model: nn.Module, loader, device: torch.device | str = "cpu",
         if imgs is None:
             continue
         model(imgs.to(device))
-        rec = ltmp.stats(model)
+        rec = stats(model)
         for key in out:
             out[key].append(getattr(rec, key).cpu().numpy())
         seen += len(imgs)
@@ -55,7 +56,7 @@ def kendall_tau(model: nn.Module, loader, device: torch.device | str = "cpu",
 
     cfg = model.ltmp_config
     if not (cfg.needs_importance and cfg.needs_metric):
-        raise ValueError("Kendall tau needs a method that both merges and prunes (topk-mp, ltmp)")
+        raise LtmpError("Kendall tau needs a method that both merges and prunes (topk-mp, ltmp)")
     model.eval().to(device)
     depth = len(model.blocks)
     taus: list[list[float]] = [[] for _ in range(depth)]

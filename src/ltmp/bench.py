@@ -2,11 +2,18 @@
 is synchronised around each timing."""
 from __future__ import annotations
 
+import platform
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+from .flops import dense_gmacs, gmacs, gmacs_executed
+from .record import stats
+from .runtime import compile_model
+from .timm_patch import vit_spec
 
 
 def _sync(device: torch.device) -> None:
@@ -65,3 +72,53 @@ def paired_ratio(timed: dict[str, dict], num: str, den: str) -> dict[str, float]
 def _summary(values: list[float]) -> dict[str, float]:
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
     return {"median": statistics.median(values), "p25": q[0], "p75": q[2]}
+
+
+def bench_models(dense: nn.Module, reduced: nn.Module, batch: torch.Tensor, batch_sizes: Sequence[int], *,
+                 compile: bool = False, exported: nn.Module | None = None, warmup: int = 3, reps: int = 10,
+                 rounds: int = 3) -> dict:
+    """``ltmp bench``: latency and throughput of a reduced model against its dense original, with GMACs.
+
+    Args:
+        dense, reduced: The two models, on one device, in eval mode.
+        batch: (B, 3, H, W) inputs; each batch size times its first images.
+        batch_sizes: Batch sizes to time (each at most B).
+        compile: Time both under ``torch.compile`` (reduced with dynamic shapes); the warm-up compiles.
+        exported: An exported reduced model (``ltmp export``), timed at batch 1 beside the others.
+
+    Returns:
+        The machine and the dense GMACs, and per batch size (``runs``): medians and IQRs in ms, time ratio to
+        dense (paired by round), GMACs and executed GMACs ratios, and throughput in images per second.
+    """
+    device = next(dense.parameters()).device
+    spec = vit_spec(dense)
+    result = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "machine": platform.machine(), "method": reduced.ltmp_config.method,
+              "gmacs_dense": dense_gmacs(spec), "compiled": compile, "runs": []}
+    run_dense, run_reduced = dense, reduced
+    if compile:  # both alike; the warm-up forwards compile (the first batch size's take longest)
+        run_dense, run_reduced = compile_model(dense, dynamic=False), compile_model(reduced, dynamic=True)
+    for bs in batch_sizes:
+        x = batch[:bs].to(device)
+        with torch.no_grad():
+            reduced(x)
+        rec = stats(reduced)
+        g_mean = float(gmacs(spec, rec.kept.cpu()).mean())
+        g_exec = gmacs_executed(spec, rec.padded)
+        models = {"dense": run_dense, "reduced": run_reduced}
+        if exported is not None and bs == 1:  # exported programs run one image at a time
+            models["exported"] = exported
+        t = compare_models(models, x, warmup=warmup, reps=reps, rounds=rounds)
+        ratio = paired_ratio(t, "reduced", "dense")  # round by round: drift of the machine cancels
+        run = {"batch_size": bs, "dense_ms": 1000 * t["dense"]["median"], "reduced_ms": 1000 * t["reduced"]["median"],
+               "dense_iqr_ms": [1000 * t["dense"]["p25"], 1000 * t["dense"]["p75"]],
+               "reduced_iqr_ms": [1000 * t["reduced"]["p25"], 1000 * t["reduced"]["p75"]],
+               "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
+               "gmacs": g_mean, "gmacs_ratio": g_mean / result["gmacs_dense"],
+               "gmacs_executed": g_exec, "gmacs_executed_ratio": g_exec / result["gmacs_dense"],
+               "throughput_dense": bs / t["dense"]["median"], "throughput_reduced": bs / t["reduced"]["median"]}
+        if "exported" in t:
+            run["exported_ms"] = 1000 * t["exported"]["median"]
+            run["exported_time_ratio"] = paired_ratio(t, "exported", "dense")["median"]
+        result["runs"].append(run)
+    return result

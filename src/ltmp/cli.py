@@ -8,9 +8,11 @@ import warnings
 from pathlib import Path
 
 from ._version import __version__
+from .errors import LtmpError
+from .reduce import FIXED_RATE, LEARNED
 
 
-class CLIError(Exception):
+class CLIError(LtmpError):
     """A user error: printed as one line, exit code 2, no traceback."""
 
 
@@ -44,13 +46,13 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_flops(args) -> int:
-    import ltmp
-
-    from .train import create_model
+    from .flops import dense_gmacs
+    from .runtime import create_model
+    from .timm_patch import vit_spec
 
     model = create_model(args.model)
-    spec = ltmp.vit_spec(model)
-    print(f"{args.model}: {ltmp.dense_gmacs(spec):.3f} GMACs per image (fvcore convention, LayerNorm included), "
+    spec = vit_spec(model)
+    print(f"{args.model}: {dense_gmacs(spec):.3f} GMACs per image (fvcore convention, LayerNorm included), "
           f"{spec.num_patches} patches + {spec.num_prefix} prefix tokens, depth {spec.depth}, "
           f"embed dim {spec.embed_dim}")
     return 0
@@ -101,24 +103,26 @@ def _eval_set(model, data_dir: str, val_split: str, max_images: int | None = Non
 def cmd_eval(args) -> int:
     from torch.utils.data import DataLoader
 
-    import ltmp
-
     from . import data as ldata
-    from .train import compile_model, create_model, evaluate, pick_device, rate_schedule
+    from .evaluate import evaluate
+    from .flops import rate_schedule
+    from .runtime import compile_model, create_model, pick_device
+    from .thresholds import load_thresholds
+    from .timm_patch import patch, vit_spec
 
     model = create_model(args.model, args.pretrained, args.checkpoint)
     if args.thresholds:
-        ltmp.load_thresholds(model, args.thresholds)
+        load_thresholds(model, args.thresholds)
     elif args.method and args.method != "dense":
-        if args.method in ("ltmp", "ltpm", "ltm", "ltp"):
+        if args.method in LEARNED:
             raise CLIError(f"--method {args.method} needs learned thresholds: pass --thresholds FILE")
         rate = _rates(args.r if args.method == "tome" else args.k)
         if args.match_gmacs is not None or args.match is not None:
             target = args.match_gmacs
             if args.match is not None:
                 target = json.loads(Path(args.match).read_text())["gmacs"]
-            rate = rate_schedule(ltmp.vit_spec(model), target, args.method)
-        ltmp.patch(model, args.method, r=rate if args.method == "tome" else None,
+            rate = rate_schedule(vit_spec(model), target, args.method)
+        patch(model, args.method, r=rate if args.method == "tome" else None,
                    k=rate if args.method != "tome" else None)
     dataset = _eval_set(model, args.data_dir, args.val_split, args.max_images)
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
@@ -133,7 +137,7 @@ def cmd_eval(args) -> int:
         print(f"per-layer rate: {','.join(str(v) for v in result['rate'])}")
     if args.compare:
         other = json.loads(Path(args.compare).read_text())
-        from .train import mcnemar
+        from .significance import mcnemar
 
         test = mcnemar(result["correct"], other["correct"])
         result["paired_test"] = {"against": args.compare, **test}
@@ -148,28 +152,26 @@ def cmd_eval(args) -> int:
 
 
 def _reduced_model(args, model):
-    import ltmp
+    from .thresholds import load_thresholds
+    from .timm_patch import patch
 
     if args.thresholds:
-        return ltmp.load_thresholds(model, args.thresholds)
+        return load_thresholds(model, args.thresholds)
     if args.method in (None, "dense"):
-        raise CLIError("pass --thresholds FILE or a fixed-rate --method (tome, topk-prune, topk-mp) to compare")
-    if args.method in ("ltmp", "ltpm", "ltm", "ltp"):
+        raise CLIError(f"pass --thresholds FILE or a fixed-rate --method ({', '.join(FIXED_RATE)}) to compare")
+    if args.method in LEARNED:
         raise CLIError(f"--method {args.method} needs learned thresholds: pass --thresholds FILE")
-    return ltmp.patch(model, args.method, r=_rates(args.r) if args.method == "tome" else None,
+    return patch(model, args.method, r=_rates(args.r) if args.method == "tome" else None,
                       k=_rates(args.k) if args.method != "tome" else None)
 
 
 def cmd_bench(args) -> int:
     import copy
-    import platform
 
     import torch
 
-    import ltmp
-
-    from .bench import compare_models, paired_ratio
-    from .train import compile_model, create_model, pick_device
+    from .bench import bench_models
+    from .runtime import create_model, pick_device
 
     device = pick_device(args.device)
     if args.threads:
@@ -181,7 +183,6 @@ def cmd_bench(args) -> int:
         from .export import load_exported
 
         exported = load_exported(args.exported).to(device)
-    spec = ltmp.vit_spec(dense)
     if args.data_dir:
         ds = _eval_set(dense, args.data_dir, args.val_split, args.batch_size)
         batch = torch.stack([ds[i][0] for i in range(len(ds))])
@@ -191,43 +192,19 @@ def cmd_bench(args) -> int:
         if reduced.ltmp_config.learned:
             print("ltmp: note: timing on random inputs (no --data-dir); learned thresholds keep as many tokens as "
                   "each image needs, so pass --data-dir DIR to time real images", file=sys.stderr)
-    result = {"model": args.model, "device": str(device), "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "machine": platform.machine(), "method": reduced.ltmp_config.method,
-              "inputs": args.data_dir or "random", "gmacs_dense": ltmp.dense_gmacs(spec), "compiled": args.compile,
-              "runs": []}
-    run_dense, run_reduced = dense, reduced
-    if args.compile:  # both alike; the warm-up forwards compile (the first batch size's take longest)
-        run_dense, run_reduced = compile_model(dense, dynamic=False), compile_model(reduced, dynamic=True)
-        print("ltmp: compiling both models with torch.compile during the warm-up forwards", file=sys.stderr)
-    for bs in sorted({1, args.batch_size}):
-        x = batch[:bs].to(device)
-        with torch.no_grad():
-            reduced(x)
-        rec = ltmp.stats(reduced)
-        g_mean = float(ltmp.gmacs(spec, rec.kept.cpu()).mean())
-        g_exec = ltmp.gmacs_executed(spec, rec.padded)
-        models = {"dense": run_dense, "reduced": run_reduced}
-        if exported is not None and bs == 1:  # exported programs run one image at a time
-            models["exported"] = exported
-        t = compare_models(models, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
-        ratio = paired_ratio(t, "reduced", "dense")  # round by round: drift of the machine cancels
-        run = {"batch_size": bs, "dense_ms": 1000 * t["dense"]["median"], "reduced_ms": 1000 * t["reduced"]["median"],
-               "dense_iqr_ms": [1000 * t["dense"]["p25"], 1000 * t["dense"]["p75"]],
-               "reduced_iqr_ms": [1000 * t["reduced"]["p25"], 1000 * t["reduced"]["p75"]],
-               "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
-               "gmacs": g_mean, "gmacs_ratio": g_mean / result["gmacs_dense"],
-               "gmacs_executed": g_exec, "gmacs_executed_ratio": g_exec / result["gmacs_dense"],
-               "throughput_dense": bs / t["dense"]["median"], "throughput_reduced": bs / t["reduced"]["median"]}
-        if "exported" in t:
-            run["exported_ms"] = 1000 * t["exported"]["median"]
-            run["exported_time_ratio"] = paired_ratio(t, "exported", "dense")["median"]
+    result = {"model": args.model, "inputs": args.data_dir or "random", **bench_models(
+        dense, reduced, batch, sorted({1, args.batch_size}), compile=args.compile, exported=exported,
+        warmup=args.warmup, reps=args.reps, rounds=args.rounds)}
+    if args.compile:
+        print("ltmp: both models were compiled with torch.compile during the warm-up forwards", file=sys.stderr)
+    for run in result["runs"]:
+        if "exported_ms" in run:
             print(f"batch 1: exported {args.exported} {run['exported_ms']:.2f} ms, time ratio "
                   f"{run['exported_time_ratio']:.3f}")
-        result["runs"].append(run)
-        print(f"batch {bs}: dense {run['dense_ms']:.2f} ms, {result['method']} {run['reduced_ms']:.2f} ms "
-              f"(IQR {run['reduced_iqr_ms'][0]:.2f}-{run['reduced_iqr_ms'][1]:.2f}); time ratio "
-              f"{run['time_ratio']:.3f} (IQR {run['time_ratio_iqr'][0]:.3f}-{run['time_ratio_iqr'][1]:.3f}), "
-              f"GMACs ratio {run['gmacs_ratio']:.3f} (executed "
+        print(f"batch {run['batch_size']}: dense {run['dense_ms']:.2f} ms, {result['method']} "
+              f"{run['reduced_ms']:.2f} ms (IQR {run['reduced_iqr_ms'][0]:.2f}-{run['reduced_iqr_ms'][1]:.2f}); "
+              f"time ratio {run['time_ratio']:.3f} (IQR {run['time_ratio_iqr'][0]:.3f}-"
+              f"{run['time_ratio_iqr'][1]:.3f}), GMACs ratio {run['gmacs_ratio']:.3f} (executed "
               f"{run['gmacs_executed_ratio']:.3f}); throughput dense {run['throughput_dense']:.1f}, "
               f"{result['method']} {run['throughput_reduced']:.1f} img/s")
     print(f"{result['device']}, {result['threads']} threads, torch {result['torch']}"
@@ -241,7 +218,7 @@ def cmd_bench(args) -> int:
 
 def _add_reduction_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thresholds", help="thresholds.safetensors from ltmp train")
-    p.add_argument("--method", choices=["tome", "topk-prune", "topk-mp"], help="a fixed-rate method instead")
+    p.add_argument("--method", choices=FIXED_RATE, help="a fixed-rate method instead")
     p.add_argument("--r", help="ToMe: tokens merged per layer (int or per-layer list)")
     p.add_argument("--k", help="top-k baselines: tokens per layer (int or per-layer list)")
 
@@ -249,7 +226,7 @@ def _add_reduction_args(p: argparse.ArgumentParser) -> None:
 def _load_model(args):
     """The model of --model/--pretrained/--checkpoint, or the bundled CIFAR-10 ViT when --model is not given."""
     from .demo import BUNDLED_MODEL
-    from .train import create_model
+    from .runtime import create_model
 
     if args.model is None:
         return create_model(BUNDLED_MODEL, True, args.checkpoint), "bundled vit-cifar10"
@@ -304,13 +281,12 @@ def cmd_analyze(args) -> int:
     import numpy as np
     from torch.utils.data import DataLoader
 
-    import ltmp
-
     from . import data as ldata
     from .analysis import kendall_tau, layer_counts, plot_kendall, plot_layer_boxes
     from .demo import BUNDLED_DATA
+    from .runtime import pick_device
     from .thresholds import atomic_write
-    from .train import pick_device
+    from .timm_patch import patch
 
     dense, name = _load_model(args)
     device = pick_device(args.device)
@@ -332,7 +308,7 @@ def cmd_analyze(args) -> int:
         atomic_write(out / "layers.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
         written += ["layers.png", "layers.json"]
     k = args.kendall_k
-    model = ltmp.patch(copy.deepcopy(dense), "topk-mp", k=k)
+    model = patch(copy.deepcopy(dense), "topk-mp", k=k)
     tau = {"model": name, "method": f"topk-mp k={k}", **kendall_tau(model, loader, device, args.max_images)}
     plot_kendall(tau, out / "kendall.png", title=f"{name}: importance vs similarity of set-A tokens\n{k} merged + "
                                                 f"{k} pruned per layer, mean +- std over {tau['images']} images")
@@ -344,21 +320,22 @@ def cmd_analyze(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    import ltmp
-
     from . import data as ldata
+    from .calibrate import calibrate, calibration_batch
     from .demo import BUNDLED_DATA
-    from .train import calibrate, calibration_batch, pick_device
+    from .runtime import pick_device
+    from .thresholds import save_thresholds
+    from .timm_patch import patch
 
     if not 0 < args.r_target <= 1:
         raise CLIError(f"--r-target must lie in (0, 1], got {args.r_target}")
     model, name = _load_model(args)
-    ltmp.patch(model, args.method)
+    patch(model, args.method)
     root = ldata.resolve_root(args.data_dir or BUNDLED_DATA)
     images = calibration_batch(model, root / "train" if (root / "train").is_dir() else root, args.images, args.seed)
     device = pick_device(args.device)
     r = calibrate(model.to(device), images, args.r_target, device, mode=args.mode)
-    ltmp.save_thresholds(model, args.output, extra={"calibrated": f"{args.mode} on {len(images)} train images, "
+    save_thresholds(model, args.output, extra={"calibrated": f"{args.mode} on {len(images)} train images, "
                                                                   f"r_target {args.r_target}, r_FLOPs {r:.4f}"})
     print(f"{args.output}: {args.method} thresholds calibrated without training ({args.mode}) on {len(images)} "
           f"training images of {name}: r_FLOPs {r:.3f} for r_target {args.r_target}")
@@ -444,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(t)
     t.add_argument("--output", required=True, help="run folder for thresholds, config, log and checkpoints")
     t.add_argument("--r-target", type=float, required=True, help="FLOPs reduction target in (0, 1] (eq. 14)")
-    t.add_argument("--method", default="ltmp", choices=["ltmp", "ltpm", "ltm", "ltp"])
+    t.add_argument("--method", default="ltmp", choices=LEARNED)
     t.add_argument("--importance", default="mean", choices=["mean", "cls"])
     t.add_argument("--tau", type=float, default=0.1)
     t.add_argument("--lam", type=float, default=10.0, help="lambda of eq. 15")
@@ -484,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(e)
     _add_data_args(e)
     e.add_argument("--thresholds", help="thresholds.safetensors from ltmp train")
-    e.add_argument("--method", choices=["dense", "tome", "topk-prune", "topk-mp", "ltmp", "ltpm", "ltm", "ltp"])
+    e.add_argument("--method", choices=["dense", *FIXED_RATE, *LEARNED])
     e.add_argument("--r", help="ToMe: tokens merged per layer, an int or a per-layer list 6,6,5,...")
     e.add_argument("--k", help="top-k baselines: tokens per layer, an int or a per-layer list")
     e.add_argument("--match-gmacs", type=float,
@@ -540,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c, required=False)
     c.add_argument("--data-dir", help="ImageFolder root (train/ is used) or .tar.gz (default: the bundled subset)")
     c.add_argument("--r-target", type=float, required=True)
-    c.add_argument("--method", default="ltmp", choices=["ltmp", "ltpm", "ltm", "ltp"])
+    c.add_argument("--method", default="ltmp", choices=LEARNED)
     c.add_argument("--mode", default="shared", choices=["shared", "quantile"],
                    help="shared: one merge threshold for every layer (matched trained thresholds on CIFAR-10); "
                         "quantile: per-layer score quantiles, merging and pruning (1.2-2.4 points worse there)")
@@ -598,16 +575,10 @@ def main(argv: list[str] | None = None) -> int:
     if not [a for a in argv if a != "--quiet"]:
         argv = [*argv, "demo"]  # the demo is the default job
     args = build_parser().parse_args(argv)
-    from .data import DataError
-    from .train import TrainError
-
     warnings.filterwarnings("ignore", message=".*TypedStorage.*")
     try:
         return args.func(args)
-    except (CLIError, DataError, TrainError) as e:
-        print(f"ltmp: error: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # library validation (thresholds files, patch options): one line, no traceback
+    except LtmpError as e:  # a user mistake we name (CLIError, DataError, TrainError, ...): one line, no traceback
         print(f"ltmp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

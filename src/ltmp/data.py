@@ -20,10 +20,12 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .errors import LtmpError
+
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
-class DataError(ValueError):
+class DataError(LtmpError):
     """Bad data input; the message names the fix."""
 
 

@@ -23,9 +23,13 @@ from torch.utils.data import DataLoader
 
 from . import data as ldata
 from .bench import time_forward
+from .evaluate import evaluate
+from .flops import rate_schedule
+from .runtime import create_model, pick_device
+from .significance import mcnemar
 from .thresholds import atomic_write
 from .timm_patch import patch, vit_spec
-from .train import TrainConfig, create_model, evaluate, mcnemar, pick_device, rate_schedule, train
+from .train import TrainConfig, train
 
 
 def assets() -> Path:
@@ -61,8 +65,7 @@ def _timed_row(model, x: torch.Tensor, ev: dict, label: str, r_target: str) -> d
 
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
-    import ltmp
-
+    from .thresholds import load_thresholds
     from .viz import denormalize, layer_groups, plot_layers, plot_pareto
 
     t_start = time.perf_counter()
@@ -102,7 +105,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         thr = run_dir / "thresholds.safetensors"
         if not thr.exists():
             train(tcfg, resume=run_dir.exists(), progress=progress)
-        lt_model = ltmp.load_thresholds(fresh(), thr)
+        lt_model = load_thresholds(fresh(), thr)
         ev = evaluate(lt_model, loader, device, progress=progress, model_name=model_name)
         rows.append(_timed_row(lt_model, one, ev, "ltmp", str(target)))
         results.append(ev)
@@ -120,7 +123,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
                 title=f"{Path(model_name.split(':')[-1]).name}: {len(val_set)} eval images")
     last = cfg.targets[-1]
     viz_model = patch(create_model(model_name, cfg.pretrained, cfg.checkpoint), "ltmp", trace_source=True)
-    ltmp.load_thresholds(viz_model, trained[last])  # keeps trace_source
+    load_thresholds(viz_model, trained[last])  # keeps trace_source
     pics = []
     for i in range(4):
         img = val_set[i * (len(val_set) // 4)]

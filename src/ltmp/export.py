@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import LtmpError
 from .reduce import exporting
 
 FORMATS = ("export", "onnx", "torchscript")
@@ -57,9 +58,9 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
         The written path.
     """
     if fmt not in FORMATS:
-        raise ValueError(f"unknown export format '{fmt}'; choose one of: {', '.join(FORMATS)}")
+        raise LtmpError(f"unknown export format '{fmt}'; choose one of: {', '.join(FORMATS)}")
     if example.shape[0] != 1:
-        raise ValueError("export takes one example image (batch 1): the exported model runs one image at a time")
+        raise LtmpError("export takes one example image (batch 1): the exported model runs one image at a time")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model = _Batch1(model.eval())
@@ -72,7 +73,7 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
             try:
                 import onnxscript  # noqa: F401
             except ImportError:
-                raise ValueError("ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript") \
+                raise LtmpError("ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript") \
                     from None
             with exporting():
                 torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=False)
@@ -94,5 +95,5 @@ def load_exported(path: str | os.PathLike) -> nn.Module:
     if path.suffix == ".pt2":
         return _Program(torch.export.load(str(path)).module())
     if path.suffix == ".onnx":
-        raise ValueError("run .onnx files with onnxruntime; ltmp loads .pt2 (torch.export) and TorchScript files")
+        raise LtmpError("run .onnx files with onnxruntime; ltmp loads .pt2 (torch.export) and TorchScript files")
     return torch.jit.load(str(path))

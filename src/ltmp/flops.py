@@ -14,9 +14,14 @@ The reduction step's own overhead (similarities, scores) is not counted, as in t
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from .errors import LtmpError
+from .reduce import METHODS
 
 
 @dataclasses.dataclass
@@ -125,5 +130,41 @@ def budget_loss_value(r_flops: Tensor, r_target: float) -> Tensor:
     It is combined with cross-entropy as ``L = L_CE + lambda L_reg`` (eq. 15).
     """
     if not 0.0 < r_target <= 1.0:
-        raise ValueError(f"r_target must lie in (0, 1], got {r_target}")
+        raise LtmpError(f"r_target must lie in (0, 1], got {r_target}")
     return (r_target - r_flops) ** 2
+
+
+def schedule_counts(method: str, schedule: Sequence[int], num_patches: int, keep_one: bool = False) -> list[int]:
+    """Patch tokens left after each block under a fixed-rate method's per-layer schedule.
+
+    ToMe merges ``min(r, t // 2)`` (at most half the tokens are in set A); top-k pruning removes ``min(k, t)``
+    (``min(k, t - 1)`` for models that keep one patch token, see ``ReduceConfig.keep_one``); ``topk-mp`` merges,
+    then prunes, ``k`` each.
+    """
+    ops_ = METHODS[method][0]
+    t, counts = num_patches, []
+    for r in schedule:
+        for op in ops_:
+            t -= min(r, t // 2) if op == "merge" else min(r, t - int(keep_one))
+        counts.append(t)
+    return counts
+
+
+def rate_schedule(spec, target_gmacs: float, method: str = "tome") -> list[int]:
+    """A per-layer schedule of a fixed-rate method (``tome``, ``topk-prune``, ``topk-mp``) whose GMACs come
+    closest to ``target_gmacs``.
+
+    Their token counts are deterministic (:func:`schedule_counts`), so GMACs follow from the schedule. Schedules
+    spread a fractional rate rho evenly over the layers (``r_l = floor(rho (l+1)) - floor(rho l)``); rho is
+    searched on a fine grid.
+    """
+    n, L = spec.num_patches, spec.depth
+    steps = 4000
+    scheds = []
+    for i in range(steps + 1):
+        rho = n * i / steps
+        scheds.append([math.floor(rho * (l + 1)) - math.floor(rho * l) for l in range(L)])
+    counts = torch.tensor([schedule_counts(method, s, n) for s in scheds], dtype=torch.float64)  # (S, L)
+    err = (gmacs(spec, counts) - target_gmacs).abs()  # (S,)
+    return scheds[int(err.argmin())]
+

@@ -18,6 +18,8 @@ import contextlib
 import torch
 from torch import Tensor
 
+from .errors import LtmpError
+
 
 def threshold_mask(scores: Tensor, threshold: Tensor, tau: float) -> Tensor:
     """Threshold masking module, eq. 1-2, as a straight-through estimator.
@@ -162,7 +164,7 @@ class MaskedSoftmax(torch.autograd.Function):
             eps_form = (z - shift).exp_().div_(total * (-shift).exp() + REFERENCE_EPS)  # (B, H, N, N)
             a = torch.where(kept, probs, eps_form)
         else:
-            raise ValueError(f"unknown mask_grad '{mask_grad}'; choose one of: {', '.join(MASK_GRADS)}")
+            raise LtmpError(f"unknown mask_grad '{mask_grad}'; choose one of: {', '.join(MASK_GRADS)}")
         ctx.save_for_backward(probs, a)
         return probs
 

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from . import data as ldata
+from .evaluate import evaluate
+from .runtime import amp_context, pick_device
 from .thresholds import atomic_write
-from .train import EpochIndexed, StepBatches, TrainError, amp_context, evaluate, pick_device
+from .train import EpochIndexed, StepBatches, TrainError
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)

@@ -33,6 +33,10 @@ METHODS: dict[str, tuple[tuple[str, ...], str]] = {
     "topk-mp": (("merge", "prune"), "topk"),  # k merged and k pruned per layer
 }
 
+#: Methods with learned thresholds (``ltmp train`` trains them; their thresholds files load them).
+LEARNED = tuple(m for m, (_, kind) in METHODS.items() if kind == "threshold")
+#: Fixed-rate methods (ToMe's ``r``, the top-k baselines' ``k``).
+FIXED_RATE = tuple(m for m, (_, kind) in METHODS.items() if kind == "topk")
 
 #: How merge thresholds learn in train mode (``ReduceConfig.merge_grad``).
 MERGE_GRADS = ("average", "mask")

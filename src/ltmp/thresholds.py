@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import LtmpError
+from .reduce import LEARNED
 from .timm_patch import THRESHOLD_NAMES, patch
 
 FORMAT = "ltmp-thresholds"
@@ -86,8 +88,8 @@ def set_thresholds(model: nn.Module, tensors: dict[str, torch.Tensor], source: s
     expected = {k: v.shape for k, v in threshold_tensors(model).items()}
     got = {k: v.shape for k, v in tensors.items()}
     if got != expected:
-        raise ValueError(f"thresholds{' in ' + source if source else ''} do not fit this model's patch "
-                         f"(file holds {got}, the model needs {expected})")
+        raise LtmpError(f"thresholds{' in ' + source if source else ''} do not fit this model's patch "
+                        f"(file holds {got}, the model needs {expected})")
     with torch.no_grad():
         for kind, values in tensors.items():
             for blk, v in zip(model.blocks, values):
@@ -101,8 +103,8 @@ def save_thresholds(model: nn.Module, path: str | os.PathLike, extra: dict[str, 
     model = _unwrap(model)
     cfg = getattr(model, "ltmp_config", None)
     if cfg is None or not cfg.learned:
-        raise ValueError("save_thresholds needs a model patched with a learned-threshold method "
-                         "(ltmp, ltpm, ltm, ltp)")
+        raise LtmpError(f"save_thresholds needs a model patched with a learned-threshold method "
+                        f"({', '.join(LEARNED)})")
     meta = {"format": FORMAT, "version": VERSION, "method": cfg.method, "tau": repr(cfg.tau),
             "importance": cfg.importance, **describe(model), **(extra or {})}
     tensors = {k: v.contiguous() for k, v in threshold_tensors(model).items()}
@@ -115,18 +117,18 @@ def read_thresholds(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"thresholds file {path} does not exist; pass the thresholds.safetensors written by "
-                         f"'ltmp train'")
+        raise LtmpError(f"thresholds file {path} does not exist; pass the thresholds.safetensors written by "
+                        f"'ltmp train'")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises several types for corrupt files
-        raise ValueError(f"cannot read thresholds file {path} ({type(e).__name__}: {e}); pass a "
-                         f"thresholds.safetensors written by 'ltmp train'") from None
+        raise LtmpError(f"cannot read thresholds file {path} ({type(e).__name__}: {e}); pass a "
+                        f"thresholds.safetensors written by 'ltmp train'") from None
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an ltmp thresholds file (no '{FORMAT}' metadata); pass a "
-                         f"thresholds.safetensors written by 'ltmp train'")
+        raise LtmpError(f"{path} is not an ltmp thresholds file (no '{FORMAT}' metadata); pass a "
+                        f"thresholds.safetensors written by 'ltmp train'")
     return tensors, meta
 
 
@@ -143,7 +145,7 @@ def load_thresholds(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     have = describe(target)
     for key in ("depth", "embed_dim", "num_prefix_tokens"):
         if meta.get(key) != have[key]:
-            raise ValueError(
+            raise LtmpError(
                 f"thresholds in {path} were made for another model ({meta.get('model')}: depth {meta.get('depth')}, "
                 f"embed dim {meta.get('embed_dim')}, {meta.get('num_prefix_tokens')} prefix tokens); this model "
                 f"({have['model']}) has depth {have['depth']}, embed dim {have['embed_dim']}, "

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops
+from .errors import LtmpError, UnsupportedModelError
 from .flops import ViTSpec
 from .reduce import (
     MERGE_GRADS,
@@ -70,30 +71,32 @@ def _check_supported(model: nn.Module, cfg: ReduceConfig) -> None:
             why = " (rotary position attention)"
         elif "RelPos" in kind or "Beit" in kind:
             why = " (relative-position attention)"
-        raise TypeError(f"ltmp.patch cannot handle {kind}{why}; it supports {SUPPORTED}")
+        raise UnsupportedModelError(f"ltmp.patch cannot handle {kind}{why}; it supports {SUPPORTED}")
     if getattr(model, "attn_pool", None) is not None:
-        raise TypeError(f"ltmp.patch cannot handle attention-pool heads (global_pool='{model.global_pool}', MAP); "
-                        f"it supports {SUPPORTED}")
+        raise UnsupportedModelError(f"ltmp.patch cannot handle attention-pool heads (global_pool="
+                                    f"'{model.global_pool}', MAP); it supports {SUPPORTED}")
     if model.global_pool not in ("token", "avg"):
-        raise TypeError(f"ltmp.patch cannot handle global_pool='{model.global_pool}'; it supports {SUPPORTED}")
+        raise UnsupportedModelError(f"ltmp.patch cannot handle global_pool='{model.global_pool}'; "
+                                    f"it supports {SUPPORTED}")
     for i, blk in enumerate(model.blocks):
         if type(blk).forward is not Block.forward:
-            raise TypeError(f"ltmp.patch cannot handle block {i} of type {_tname(blk)}; it supports {SUPPORTED}")
+            raise UnsupportedModelError(f"ltmp.patch cannot handle block {i} of type {_tname(blk)}; "
+                                        f"it supports {SUPPORTED}")
         if type(blk.attn).forward is not Attention.forward:
-            raise TypeError(f"ltmp.patch cannot handle attention {_tname(blk.attn)} in block {i} (rotary, "
-                            f"relative-position and other attention variants are not supported); "
-                            f"it supports {SUPPORTED}")
+            raise UnsupportedModelError(f"ltmp.patch cannot handle attention {_tname(blk.attn)} in block {i} "
+                                        f"(rotary, relative-position and other attention variants are not "
+                                        f"supported); it supports {SUPPORTED}")
     if cfg.importance == "cls" and cfg.needs_importance and getattr(model, "cls_token", None) is None:
-        raise ValueError("importance='cls' (class attention, eq. 16) needs a class token and this model has none; "
-                         "use importance='mean'")
+        raise LtmpError("importance='cls' (class attention, eq. 16) needs a class token and this model has none; "
+                        "use importance='mean'")
 
 
 def _rate(value: int | Sequence[int] | None, depth: int, name: str) -> tuple[int, ...]:
     if value is None:
-        raise ValueError(f"this method needs {name}=: tokens per layer, an int or a list of {depth} ints")
+        raise LtmpError(f"this method needs {name}=: tokens per layer, an int or a list of {depth} ints")
     rates = (int(value),) * depth if isinstance(value, (int, float)) else tuple(int(v) for v in value)
     if len(rates) != depth or any(r < 0 for r in rates):
-        raise ValueError(f"{name}= must be a non-negative int or a list of {depth} non-negative ints, got {value}")
+        raise LtmpError(f"{name}= must be a non-negative int or a list of {depth} non-negative ints, got {value}")
     return rates
 
 
@@ -136,23 +139,23 @@ def patch(
         The same model object, patched.
     """
     if method not in METHODS:
-        raise ValueError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
+        raise LtmpError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
     if importance not in ("mean", "cls"):
-        raise ValueError(f"unknown importance '{importance}'; choose 'mean' (eq. 17) or 'cls' (eq. 16)")
+        raise LtmpError(f"unknown importance '{importance}'; choose 'mean' (eq. 17) or 'cls' (eq. 16)")
     if getattr(model, "ltmp_config", None) is not None:
         unpatch(model)
     depth = len(model.blocks) if hasattr(model, "blocks") else 0
     if mask_grad not in ops.MASK_GRADS:
-        raise ValueError(f"unknown mask_grad '{mask_grad}'; choose one of: {', '.join(ops.MASK_GRADS)}")
+        raise LtmpError(f"unknown mask_grad '{mask_grad}'; choose one of: {', '.join(ops.MASK_GRADS)}")
     if merge_grad not in MERGE_GRADS:
-        raise ValueError(f"unknown merge_grad '{merge_grad}'; choose one of: {', '.join(MERGE_GRADS)}")
+        raise LtmpError(f"unknown merge_grad '{merge_grad}'; choose one of: {', '.join(MERGE_GRADS)}")
     cfg = ReduceConfig(method=method, tau=float(tau), importance=importance,
                        num_prefix=int(getattr(model, "num_prefix_tokens", 0)), trace_source=trace_source,
                        mask_grad=mask_grad, merge_grad=merge_grad)
     _check_supported(model, cfg)
     if cfg.learned:
         if r is not None or k is not None:
-            raise ValueError(f"method '{method}' learns thresholds; r= and k= belong to tome/topk-prune/topk-mp")
+            raise LtmpError(f"method '{method}' learns thresholds; r= and k= belong to tome/topk-prune/topk-mp")
     elif method == "tome":
         cfg.rate = _rate(r, depth, "r")
     else:
@@ -454,13 +457,19 @@ def forward_cut(model: nn.Module, x: Tensor, counts: Sequence[int]) -> Tensor:
         counts: Tokens (prefix included) leaving each block.
     """
     if len(counts) != len(model.blocks):
-        raise ValueError(f"forward_cut needs one token count per block ({len(model.blocks)}), got {len(counts)}")
+        raise LtmpError(f"forward_cut needs one token count per block ({len(model.blocks)}), got {len(counts)}")
     x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))  # (B, N, C)
     for blk, n in zip(model.blocks, counts):
         x = x + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(x))))  # (B, N, C)
         x = x[:, :n]  # (B, n, C)
         x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
     return model.forward_head(model.norm(x))
+
+
+def mlp_hidden(model: nn.Module) -> int:
+    """h of eq. 11: the MLP's hidden width (timm's ``Mlp.fc1``; 4d otherwise)."""
+    mlp = model.blocks[0].mlp
+    return int(mlp.fc1.out_features) if hasattr(mlp, "fc1") else 4 * int(model.embed_dim)
 
 
 def vit_spec(model: nn.Module, count_norm: bool = True) -> ViTSpec:

@@ -1,18 +1,18 @@
-"""Threshold training (paper section 3.4 and 4: one epoch, SGD, eq. 15) and evaluation, as library functions.
+"""Threshold training (paper section 3.4 and 4: one epoch, eq. 15), as a library function.
 
-No argparse and no globals: ``ltmp.cli`` builds a :class:`TrainConfig` and calls :func:`train`, or calls
-:func:`evaluate`. Data-parallel training runs under ``torchrun`` (torch.distributed: gloo on the CPU, nccl on GPUs).
+No argparse and no globals: ``ltmp.cli`` builds a :class:`TrainConfig` and calls :func:`train`. Data-parallel
+training runs under ``torchrun`` (torch.distributed: gloo on the CPU, nccl on GPUs). Models and devices come from
+:mod:`ltmp.runtime`, evaluation from :mod:`ltmp.evaluate`, the calibrated start from :mod:`ltmp.calibrate`.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,13 +22,18 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 
 from . import data as ldata
-from .flops import budget_loss_value, dense_gmacs, gmacs, gmacs_executed
-from .reduce import METHODS
+from .calibrate import calibrate, calibration_batch
+from .errors import LtmpError
+from .evaluate import evaluate
+from .flops import budget_loss_value
+from .record import mean_r_flops, stats
+from .reduce import LEARNED
+from .runtime import amp_context, amp_dtype, compile_model, create_model, pick_device
 from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
-from .timm_patch import THRESHOLD_NAMES, patch, vit_spec
+from .timm_patch import THRESHOLD_NAMES, patch
 
 
-class TrainError(ValueError):
+class TrainError(LtmpError):
     """Bad training input; the message names the fix."""
 
 
@@ -92,82 +97,6 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise TrainError(f"unknown --optimizer '{cfg.optimizer}'; choose adam or sgd")
     given = {k: v for k, v in OPTIMIZER_DEFAULTS[cfg.optimizer].items() if getattr(cfg, k) is None}
     return dataclasses.replace(cfg, **given)
-
-
-# ----------------------------------------------------------------------------------------------- model and set-up
-
-
-def create_model(name: str, pretrained: bool = False, checkpoint: str | None = None) -> nn.Module:
-    """A timm model by name (or ``local-dir:PATH``), with pretrained weights or a checkpoint file."""
-    import timm
-
-    if not name.startswith(("local-dir:", "hf-hub:")) and not timm.is_model(name):
-        raise TrainError(f"unknown model '{name}'; pick a timm ViT such as deit_small_patch16_224 "
-                         f"(list them with: python -c \"import timm; print(timm.list_models('*vit*'))\") or "
-                         f"local-dir:PATH")
-    try:
-        # a checkpoint replaces the pretrained weights: don't fetch them first
-        model = timm.create_model(name, pretrained=pretrained and not checkpoint)
-    except Exception as e:  # unreachable hub, missing local-dir files, bad config: one line with the fix
-        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise TrainError(f"cannot create model '{name}' with pretrained={pretrained} ({msg}); offline, pass "
-                         f"--checkpoint FILE or a local-dir:PATH model folder") from None
-    if checkpoint:
-        from timm.models import load_checkpoint
-
-        if not os.path.isfile(checkpoint):
-            raise TrainError(f"checkpoint {checkpoint} does not exist; pass a weights file of {name}")
-        try:
-            load_checkpoint(model, checkpoint, strict=True)
-        except Exception as e:  # torch, safetensors and pickle raise many types on a corrupt file
-            msg = str(e).splitlines()[0][:200]
-            raise TrainError(f"cannot load checkpoint {checkpoint} ({type(e).__name__}: {msg}); pass a timm, "
-                             f"torch or safetensors state dict of {name}") from None
-    return model
-
-
-def compile_model(model: nn.Module, dynamic: bool) -> nn.Module:
-    """``torch.compile`` for ``--compile``: ``dynamic=True`` for reduced models in eval mode, whose token counts
-    change from image to image and block to block (graphs break once per block, where compaction reads the counts;
-    no guard depends on them), static shapes otherwise (dense models, train mode). The first batches compile (up to
-    minutes); later ones reuse the graphs. Needs a C++ compiler on CPUs and Triton on GPUs, as torch.compile does.
-
-    Raises Dynamo's per-function recompile limit to at least 64 (default 8): every block of every patched model in
-    the process runs the same block function, and each reduction method, batch size of 1 or more, and the first
-    block (no padding yet) compile their own variant of it; past the limit Dynamo would silently run it eagerly.
-    """
-    if not hasattr(torch, "compile"):
-        raise TrainError(f"--compile needs torch.compile (torch >= 2.0); this is torch {torch.__version__}")
-    import torch._dynamo.config as dynamo_config
-
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
-    return torch.compile(model, dynamic=dynamic)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of an ``--amp`` mode: "auto" is bf16 where supported (every CPU, Ampere and newer
-    GPUs), else fp16; "fp16" is for GPUs only. None when mixed precision is off."""
-    if not mode:
-        return None
-    if mode == "fp16" and device.type != "cuda":
-        raise TrainError("--amp fp16 needs a CUDA device; use --amp bf16 on the CPU")
-    if mode == "fp16" or (mode == "auto" and device.type == "cuda" and not torch.cuda.is_bf16_supported()):
-        return torch.float16
-    if mode not in ("auto", "bf16"):
-        raise TrainError(f"unknown --amp mode '{mode}'; choose auto, bf16 or fp16")
-    return torch.bfloat16
-
-
-def amp_context(mode: str, device: torch.device):
-    dtype = amp_dtype(mode, device)
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def threshold_training_mode(model: nn.Module) -> nn.Module:
@@ -340,8 +269,8 @@ def total_steps(cfg: TrainConfig, n_train: int) -> int:
 def validate(cfg: TrainConfig) -> None:
     if not 0.0 < cfg.r_target <= 1.0:
         raise TrainError(f"--r-target must lie in (0, 1], got {cfg.r_target}")
-    if cfg.method not in ("ltmp", "ltpm", "ltm", "ltp"):
-        raise TrainError(f"--method {cfg.method} has no thresholds to train; choose ltmp, ltpm, ltm or ltp")
+    if cfg.method not in LEARNED:
+        raise TrainError(f"--method {cfg.method} has no thresholds to train; choose one of: {', '.join(LEARNED)}")
     if cfg.budget not in ("penalty", "constraint"):
         raise TrainError(f"unknown --budget '{cfg.budget}'; choose penalty or constraint")
     if not 0.0 <= cfg.distill <= 1.0:
@@ -426,8 +355,6 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             kept_lines = [ln for ln in log_path.read_text().splitlines() if _log_step(ln) <= start]
         atomic_write(log_path, lambda tmp: Path(tmp).write_text("".join(ln + "\n" for ln in kept_lines)))
 
-    import ltmp
-
     bar = None
     if progress and ddp.main:
         from tqdm import tqdm
@@ -460,12 +387,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                     target_logits = teacher(imgs)  # (B, classes)
                 kd = distill_loss(logits.float(), target_logits.float())
                 task = (1 - cfg.distill) * ce + cfg.distill * kd
-            r = ltmp.r_flops(model).mean()
-            if ddp.world > 1:
-                from torch.distributed.nn.functional import all_reduce
-
-                r = all_reduce(r) / ddp.world  # differentiable: the budget loss is non-linear in the batch mean
-            reg = budget_loss_value(r, cfg.r_target)
+            r = mean_r_flops(model)  # the global batch's mean under torchrun
+            reg = budget_loss_value(r, cfg.r_target)  # eq. 14, as ltmp.budget_loss
             loss = task + cfg.lam * reg  # eq. 15, with the distillation term in the task loss if asked
             if cfg.budget == "constraint":
                 loss = loss + mu * (r - cfg.r_target)
@@ -559,9 +482,7 @@ def _collapse_check(model: nn.Module, ddp: Dist, runs: list[int] | None) -> list
     """For each block, for how many steps in a row it has left no patch token in any image of the global batch
     (a model that keeps one patch token by design, ``keep_one``, counts as empty with one). There the thresholds'
     surrogate gradients (eq. 2) all but vanish, so training may not bring the tokens back."""
-    import ltmp
-
-    rec = ltmp.stats(model)
+    rec = stats(model)
     alive = (rec.kept.amax(0) > int(model.ltmp_config.keep_one)).to(torch.int32)  # (L,) on this rank
     if ddp.world > 1:
         dist.all_reduce(alive, op=dist.ReduceOp.MAX)
@@ -586,231 +507,4 @@ def _log_step(line: str) -> float:
         return float("inf")
 
 
-# ------------------------------------------------------------------------------------------------------ calibrate
 
-
-def calibration_batch(model: nn.Module, root: str | os.PathLike, n: int, seed: int,
-                      indices: list[int] | None = None, classes: list[str] | None = None) -> torch.Tensor:
-    """The first ``n`` of a seeded shuffle of the images under ``root`` (or of ``indices`` into them), with the
-    model's eval transform; unreadable images are left out."""
-    _, eval_tf, _ = ldata.transforms_for(model, "none")
-    eval_set = ldata.ImageFolder(root, eval_tf, classes)
-    indices = list(range(len(eval_set))) if indices is None else indices
-    g = torch.Generator().manual_seed(seed)
-    pick = [indices[i] for i in torch.randperm(len(indices), generator=g)[:n].tolist()]
-    items = [eval_set[i] for i in pick]
-    return torch.stack([it[0] for it in items if it is not None])
-
-
-@torch.no_grad()
-def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: torch.device | str = "cpu",
-              iters: int = 18, batch: int = 128, mode: str = "shared", prune_share: float = 0.5) -> float:
-    """Training-free thresholds, bisected until eval-mode r_FLOPs (eq. 13) on ``images`` match ``r_target``.
-
-    - ``"shared"``: one value for every block. Methods that merge bisect the merge threshold (prune thresholds
-      stay as they are); pruning-only methods bisect the prune threshold.
-    - ``"quantile"`` (not in the paper): a fraction f is bisected; every block's merge threshold becomes the
-      quantile of its similarity scores that merges f of its set-A tokens, and its prune threshold the quantile
-      of its importance scores that prunes ``prune_share * f`` of its remaining tokens (f for pruning-only
-      methods), all over the whole of ``images`` in one batch (:func:`ltmp.reduce.fit_threshold`).
-
-    Returns:
-        The r_FLOPs reached.
-    """
-    import ltmp
-
-    model.eval()
-    cfg = model.ltmp_config
-    merge = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
-    prune = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
-
-    def r_of() -> float:
-        total = 0.0
-        for i in range(0, len(images), batch):
-            model(images[i:i + batch].to(device))
-            total += float(ltmp.r_flops(model).sum())
-        return total / len(images)
-
-    if mode == "quantile":
-        lo, hi, increasing = 0.0, 1.0, False  # r falls as f grows
-
-        def r_at(f: float) -> float:
-            cfg.fit = (f, prune_share * f if merge else f)
-            try:
-                model(images.to(device))  # sets every threshold from this batch's scores
-            finally:
-                cfg.fit = None
-            return r_of()
-    elif mode == "shared":
-        if merge:
-            params, lo, hi, increasing = merge, -1.0, 1.05, True  # r rises with the merge threshold
-        else:
-            heads = model.blocks[0].attn.num_heads if cfg.importance == "cls" else 1
-            params, lo, hi, increasing = prune, 0.0, float(heads), False  # importance lies in [0, 1] (eq. 17)
-
-        def r_at(v: float) -> float:
-            for p in params:
-                p.fill_(v)
-            return r_of()
-    else:
-        raise ValueError(f"unknown calibration mode '{mode}'; choose 'shared' or 'quantile'")
-
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        if (r_at(mid) < r_target) == increasing:
-            lo = mid
-        else:
-            hi = mid
-    return r_at((lo + hi) / 2)
-
-
-# ------------------------------------------------------------------------------------------------------- evaluate
-
-SCHEMA_VERSION = 1
-
-
-def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion k/n, in percent."""
-    if n == 0:
-        return (float("nan"), float("nan"))
-    p = k / n
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (100 * (mid - half), 100 * (mid + half))
-
-
-def mcnemar(correct_a: str, correct_b: str) -> dict:
-    """Exact McNemar test on paired per-image correctness strings ('0'/'1' per image)."""
-    from scipy.stats import binomtest
-
-    if len(correct_a) != len(correct_b):
-        raise ValueError(f"the two evaluations cover different images ({len(correct_a)} vs {len(correct_b)}); "
-                         f"compare runs on the same eval set")
-    b = sum(1 for x, y in zip(correct_a, correct_b) if x == "1" and y == "0")
-    c = sum(1 for x, y in zip(correct_a, correct_b) if x == "0" and y == "1")
-    p = 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue)
-    return {"only_a_correct": b, "only_b_correct": c, "p_value": p}
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device | str = "cpu", amp: str = "",
-             progress: bool = True, model_name: str = "") -> dict:
-    """Accuracy, GMACs from actual token counts, executed (padded) GMACs and per-layer token counts.
-
-    Works on dense (unpatched), learned-threshold and fixed-rate models, over the whole loader at any batch size.
-    The keys ``schema_version, top1, top5, images, gmacs, gmacs_dense, gmacs_ratio, gmacs_executed, r_flops,
-    per_layer, method, model`` are stable.
-    """
-    import ltmp
-
-    device = torch.device(device)
-    model.eval().to(device)
-    spec = vit_spec(model)
-    cfg = getattr(model, "ltmp_config", None)
-    L = spec.depth
-    n_img = c1 = c5 = skipped = 0
-    correct: list[str] = []
-    g_sum = g_exec = r_sum = 0.0
-    merged = torch.zeros(L, dtype=torch.float64)
-    pruned = torch.zeros(L, dtype=torch.float64)
-    kept = torch.zeros(L, dtype=torch.float64)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(loader), desc="eval", unit="batch", dynamic_ncols=True)
-    dense = dense_gmacs(spec)
-    t0 = time.perf_counter()
-    for imgs, labels, _, nskip in loader:
-        skipped += nskip
-        if bar is not None:
-            bar.update(1)
-        if imgs is None:
-            continue
-        imgs, labels = imgs.to(device), labels.to(device)
-        with amp_context(amp, device):
-            logits = model(imgs)
-        top5 = logits.float().topk(min(5, logits.shape[-1]), dim=-1).indices  # (B, 5)
-        ok1 = top5[:, 0] == labels
-        c1 += int(ok1.sum())
-        c5 += int((top5 == labels[:, None]).any(1).sum())
-        correct.append("".join("1" if v else "0" for v in ok1.tolist()))
-        B = imgs.shape[0]
-        n_img += B
-        if cfg is None:
-            g_sum += dense * B
-            g_exec += dense * B
-            r_sum += B
-            kept += spec.num_patches * B
-        else:
-            rec = ltmp.stats(model)
-            g_sum += float(gmacs(spec, rec.kept.cpu()).sum())
-            g_exec += gmacs_executed(spec, rec.padded) * B
-            r_sum += float(ltmp.r_flops(model).sum())
-            merged += rec.merged.double().sum(0).cpu()
-            pruned += rec.pruned.double().sum(0).cpu()
-            kept += rec.kept.double().sum(0).cpu()
-        if bar is not None:
-            bar.set_postfix(top1=f"{100 * c1 / n_img:.2f}")
-    if bar is not None:
-        bar.close()
-    if n_img == 0:
-        raise TrainError("no readable images in the eval set; check --data-dir and --val-split")
-    seconds = time.perf_counter() - t0
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "model": model_name,
-        "method": cfg.method if cfg is not None else "dense",
-        "top1": 100 * c1 / n_img,
-        "top1_ci95": list(wilson_interval(c1, n_img)),
-        "top5": 100 * c5 / n_img,
-        "images": n_img,
-        "skipped": skipped,
-        "gmacs": g_sum / n_img,
-        "gmacs_dense": dense,
-        "gmacs_ratio": g_sum / n_img / dense,
-        "gmacs_executed": g_exec / n_img,
-        "r_flops": r_sum / n_img,
-        "per_layer": [{"merged": float(m) / n_img, "pruned": float(p) / n_img, "kept": float(k) / n_img}
-                      for m, p, k in zip(merged, pruned, kept)],
-        "rate": list(cfg.rate) if cfg is not None and cfg.rate is not None else None,
-        "batch_size": getattr(loader, "batch_size", None),
-        "seconds": seconds,
-        "correct": "".join(correct),
-    }
-
-
-def schedule_counts(method: str, schedule: Sequence[int], num_patches: int, keep_one: bool = False) -> list[int]:
-    """Patch tokens left after each block under a fixed-rate method's per-layer schedule.
-
-    ToMe merges ``min(r, t // 2)`` (at most half the tokens are in set A); top-k pruning removes ``min(k, t)``
-    (``min(k, t - 1)`` for models that keep one patch token, see ``ReduceConfig.keep_one``); ``topk-mp`` merges,
-    then prunes, ``k`` each.
-    """
-    ops_ = METHODS[method][0]
-    t, counts = num_patches, []
-    for r in schedule:
-        for op in ops_:
-            t -= min(r, t // 2) if op == "merge" else min(r, t - int(keep_one))
-        counts.append(t)
-    return counts
-
-
-def rate_schedule(spec, target_gmacs: float, method: str = "tome") -> list[int]:
-    """A per-layer schedule of a fixed-rate method (``tome``, ``topk-prune``, ``topk-mp``) whose GMACs come
-    closest to ``target_gmacs``.
-
-    Their token counts are deterministic (:func:`schedule_counts`), so GMACs follow from the schedule. Schedules
-    spread a fractional rate rho evenly over the layers (``r_l = floor(rho (l+1)) - floor(rho l)``); rho is
-    searched on a fine grid.
-    """
-    n, L = spec.num_patches, spec.depth
-    steps = 4000
-    scheds = []
-    for i in range(steps + 1):
-        rho = n * i / steps
-        scheds.append([math.floor(rho * (l + 1)) - math.floor(rho * l) for l in range(L)])
-    counts = torch.tensor([schedule_counts(method, s, n) for s in scheds], dtype=torch.float64)  # (S, L)
-    err = (gmacs(spec, counts) - target_gmacs).abs()  # (S,)
-    return scheds[int(err.argmin())]

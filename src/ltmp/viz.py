@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .errors import LtmpError
 from .thresholds import atomic_write
 
 
@@ -25,15 +26,15 @@ def layer_groups(model: nn.Module, image: torch.Tensor) -> list[np.ndarray]:
     Returns:
         One (gh, gw) int array per block: the index of the surviving token each patch belongs to, -1 if pruned.
     """
-    import ltmp
+    from .record import stats
 
     cfg = getattr(model, "ltmp_config", None)
     if cfg is None or not cfg.trace_source:
-        raise ValueError("layer_groups needs a model patched with trace_source=True")
+        raise LtmpError("layer_groups needs a model patched with trace_source=True")
     model.eval()
     with torch.no_grad():
         model(image[None])
-    rec = ltmp.stats(model)
+    rec = stats(model)
     gh, gw = model.patch_embed.grid_size if image.shape[-2:] == tuple(model.patch_embed.img_size) else (
         image.shape[-2] // model.patch_embed.patch_size[0], image.shape[-1] // model.patch_embed.patch_size[1])
     out = []

@@ -1,0 +1,86 @@
+"""Training-free thresholds (``ltmp calibrate``; ``ltmp train --calibrate`` starts from them): bisection on a few
+images until eval-mode r_FLOPs (eq. 13) meet the target. Not in the paper."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from . import data as ldata
+from .errors import LtmpError
+from .record import r_flops
+
+
+def calibration_batch(model: nn.Module, root: str | os.PathLike, n: int, seed: int,
+                      indices: list[int] | None = None, classes: list[str] | None = None) -> torch.Tensor:
+    """The first ``n`` of a seeded shuffle of the images under ``root`` (or of ``indices`` into them), with the
+    model's eval transform; unreadable images are left out."""
+    _, eval_tf, _ = ldata.transforms_for(model, "none")
+    eval_set = ldata.ImageFolder(root, eval_tf, classes)
+    indices = list(range(len(eval_set))) if indices is None else indices
+    g = torch.Generator().manual_seed(seed)
+    pick = [indices[i] for i in torch.randperm(len(indices), generator=g)[:n].tolist()]
+    items = [eval_set[i] for i in pick]
+    return torch.stack([it[0] for it in items if it is not None])
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: torch.device | str = "cpu",
+              iters: int = 18, batch: int = 128, mode: str = "shared", prune_share: float = 0.5) -> float:
+    """Training-free thresholds, bisected until eval-mode r_FLOPs (eq. 13) on ``images`` match ``r_target``.
+
+    - ``"shared"``: one value for every block. Methods that merge bisect the merge threshold (prune thresholds
+      stay as they are); pruning-only methods bisect the prune threshold.
+    - ``"quantile"`` (not in the paper): a fraction f is bisected; every block's merge threshold becomes the
+      quantile of its similarity scores that merges f of its set-A tokens, and its prune threshold the quantile
+      of its importance scores that prunes ``prune_share * f`` of its remaining tokens (f for pruning-only
+      methods), all over the whole of ``images`` in one batch (:func:`ltmp.reduce.fit_threshold`).
+
+    Returns:
+        The r_FLOPs reached.
+    """
+    model.eval()
+    cfg = model.ltmp_config
+    merge = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
+    prune = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
+
+    def r_of() -> float:
+        total = 0.0
+        for i in range(0, len(images), batch):
+            model(images[i:i + batch].to(device))
+            total += float(r_flops(model).sum())
+        return total / len(images)
+
+    if mode == "quantile":
+        lo, hi, increasing = 0.0, 1.0, False  # r falls as f grows
+
+        def r_at(f: float) -> float:
+            cfg.fit = (f, prune_share * f if merge else f)
+            try:
+                model(images.to(device))  # sets every threshold from this batch's scores
+            finally:
+                cfg.fit = None
+            return r_of()
+    elif mode == "shared":
+        if merge:
+            params, lo, hi, increasing = merge, -1.0, 1.05, True  # r rises with the merge threshold
+        else:
+            heads = model.blocks[0].attn.num_heads if cfg.importance == "cls" else 1
+            params, lo, hi, increasing = prune, 0.0, float(heads), False  # importance lies in [0, 1] (eq. 17)
+
+        def r_at(v: float) -> float:
+            for p in params:
+                p.fill_(v)
+            return r_of()
+    else:
+        raise LtmpError(f"unknown calibration mode '{mode}'; choose 'shared' or 'quantile'")
+
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if (r_at(mid) < r_target) == increasing:
+            lo = mid
+        else:
+            hi = mid
+    return r_at((lo + hi) / 2)
+

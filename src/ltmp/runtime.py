@@ -1,0 +1,84 @@
+"""Models, devices and mixed precision: what every command sets up before it runs a model."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+from .errors import LtmpError
+
+
+def create_model(name: str, pretrained: bool = False, checkpoint: str | None = None) -> nn.Module:
+    """A timm model by name (or ``local-dir:PATH``), with pretrained weights or a checkpoint file."""
+    import timm
+
+    if not name.startswith(("local-dir:", "hf-hub:")) and not timm.is_model(name):
+        raise LtmpError(f"unknown model '{name}'; pick a timm ViT such as deit_small_patch16_224 "
+                        f"(list them with: python -c \"import timm; print(timm.list_models('*vit*'))\") or "
+                        f"local-dir:PATH")
+    try:
+        # a checkpoint replaces the pretrained weights: don't fetch them first
+        model = timm.create_model(name, pretrained=pretrained and not checkpoint)
+    except Exception as e:  # unreachable hub, missing local-dir files, bad config: one line with the fix
+        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise LtmpError(f"cannot create model '{name}' with pretrained={pretrained} ({msg}); offline, pass "
+                        f"--checkpoint FILE or a local-dir:PATH model folder") from None
+    if checkpoint:
+        from timm.models import load_checkpoint
+
+        if not os.path.isfile(checkpoint):
+            raise LtmpError(f"checkpoint {checkpoint} does not exist; pass a weights file of {name}")
+        try:
+            load_checkpoint(model, checkpoint, strict=True)
+        except Exception as e:  # torch, safetensors and pickle raise many types on a corrupt file
+            msg = str(e).splitlines()[0][:200]
+            raise LtmpError(f"cannot load checkpoint {checkpoint} ({type(e).__name__}: {msg}); pass a timm, "
+                            f"torch or safetensors state dict of {name}") from None
+    return model
+
+
+def compile_model(model: nn.Module, dynamic: bool) -> nn.Module:
+    """``torch.compile`` for ``--compile``: ``dynamic=True`` for reduced models in eval mode, whose token counts
+    change from image to image and block to block (graphs break once per block, where compaction reads the counts;
+    no guard depends on them), static shapes otherwise (dense models, train mode). The first batches compile (up to
+    minutes); later ones reuse the graphs. Needs a C++ compiler on CPUs and Triton on GPUs, as torch.compile does.
+
+    Raises Dynamo's per-function recompile limit to at least 64 (default 8): every block of every patched model in
+    the process runs the same block function, and each reduction method, batch size of 1 or more, and the first
+    block (no padding yet) compile their own variant of it; past the limit Dynamo would silently run it eagerly.
+    """
+    if not hasattr(torch, "compile"):
+        raise LtmpError(f"--compile needs torch.compile (torch >= 2.0); this is torch {torch.__version__}")
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+    return torch.compile(model, dynamic=dynamic)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of an ``--amp`` mode: "auto" is bf16 where supported (every CPU, Ampere and newer
+    GPUs), else fp16; "fp16" is for GPUs only. None when mixed precision is off."""
+    if not mode:
+        return None
+    if mode == "fp16" and device.type != "cuda":
+        raise LtmpError("--amp fp16 needs a CUDA device; use --amp bf16 on the CPU")
+    if mode == "fp16" or (mode == "auto" and device.type == "cuda" and not torch.cuda.is_bf16_supported()):
+        return torch.float16
+    if mode not in ("auto", "bf16"):
+        raise LtmpError(f"unknown --amp mode '{mode}'; choose auto, bf16 or fp16")
+    return torch.bfloat16
+
+
+def amp_context(mode: str, device: torch.device):
+    dtype = amp_dtype(mode, device)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
