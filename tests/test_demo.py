@@ -83,6 +83,22 @@ def test_demo_writes_table_plot_and_token_picture(tiny_model, tiny_data, tmp_pat
     ltmp_row = res["rows"][1]
     assert abs(ltmp_row["r_flops"] - 0.6) < 0.1
     assert abs(res["rows"][2]["gmacs"] - ltmp_row["gmacs"]) / ltmp_row["gmacs"] < 0.1
+    assert all(r["batch"] == 18 and r["throughput"] > 0 for r in res["rows"])  # all 18 eval images in one batch
+    assert res["speed"] in (out / "results.md").read_text() and res["speed"] in printed
+
+
+def test_speed_sentence_follows_the_numbers():
+    from ltmp.demo import speed_sentence
+
+    def row(ms, ips):
+        return {"latency_ms": ms, "throughput": ips, "batch": 64}
+
+    rows = [row(10.0, 100.0), row(12.5, 150.0), row(20.0, 120.0)]  # slower at batch 1, faster at batch 64
+    assert speed_sentence(rows, "cpu, 2 threads") == (
+        "Speed here (cpu, 2 threads): at batch 1 every reduced model is slower than dense (0.50-0.80x its speed); "
+        "at batch 64 every reduced model is faster than dense (1.20-1.50x its throughput).")
+    mixed = speed_sentence([row(10.0, 100.0), row(5.0, 90.0), row(20.0, 80.0)], "cuda:0, 16 threads")
+    assert "at batch 1 1 of 2 reduced models are faster than dense (0.50-2.00x" in mixed
 
 
 def test_bundled_assets_load_and_fit_the_size_budget():

@@ -3,8 +3,9 @@
 1. Evaluate the dense model.
 2. For each reduction target: calibrate the thresholds on 256 training images (training-free start), train them
    (budget below), evaluate, and evaluate ToMe with a per-layer schedule matched to the same GMACs.
-3. Time every model at batch 1, print one table, and write a plot of accuracy against GMACs and a per-layer token
-   picture into the output folder.
+3. Time every model at batch 1 (latency) and at a larger batch (throughput), print one table and one sentence on
+   where the reduction pays here, and write a plot of accuracy against GMACs and a per-layer token picture into
+   the output folder.
 
 The paper's recipe (one epoch of batch 128) is about 10,000 steps on ImageNet; the bundled subset has 4,000
 images, i.e. 31 such steps, which barely moves the thresholds. The demo therefore starts from calibrated thresholds
@@ -55,13 +56,17 @@ class DemoConfig:
     max_val_images: int | None = None
     workers: int = 2
     seed: int = 0
+    bench_batch: int = 64  # throughput batch: real eval images, as many as there are up to this
 
 
-def _timed_row(model, x: torch.Tensor, ev: dict, label: str, r_target: str) -> dict:
-    t = time_forward(model, x, warmup=5, reps=30)
+def _timed_row(model, one: torch.Tensor, batch: torch.Tensor, ev: dict, label: str, r_target: str) -> dict:
+    """Accuracy and cost of one model, with its batch-1 latency and its throughput on ``batch`` (medians)."""
+    t = time_forward(model, one, warmup=5, reps=30)
+    tb = time_forward(model, batch, warmup=2, reps=10)
     return {"method": label, "r_target": r_target, "r_flops": ev["r_flops"], "gmacs": ev["gmacs"],
             "top1": ev["top1"], "top1_ci95": ev["top1_ci95"], "latency_ms": 1000 * t["median"],
-            "latency_iqr_ms": [1000 * t["p25"], 1000 * t["p75"]], "rate": ev.get("rate")}
+            "latency_iqr_ms": [1000 * t["p25"], 1000 * t["p75"]], "batch": len(batch),
+            "throughput": len(batch) / tb["median"], "rate": ev.get("rate")}
 
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
@@ -84,7 +89,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     split = ldata.split_dir(root, cfg.val_split)
     val_set = ldata.spread_subset(ldata.ImageFolder(split, eval_tf), cfg.max_val_images)
     loader = DataLoader(val_set, batch_size=128, num_workers=cfg.workers, collate_fn=ldata.collate_skip)
-    one = next(iter(DataLoader(val_set, batch_size=1, collate_fn=ldata.collate_skip)))[0].to(device)
+    batch = next(iter(DataLoader(val_set, batch_size=cfg.bench_batch, collate_fn=ldata.collate_skip)))[0].to(device)
+    one = batch[:1]  # (1, 3, H, W)
 
     def say(msg: str) -> None:
         if progress:
@@ -92,7 +98,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
 
     say(f"model {model_name}, eval images {len(val_set)} from {split}")
     dense = evaluate(model, loader, device, progress=progress, model_name=model_name)
-    rows = [_timed_row(model, one, dense, "dense", "-")]
+    rows = [_timed_row(model, one, batch, dense, "dense", "-")]
     results = [dense]
     trained = {}
     for target in cfg.targets:
@@ -107,14 +113,14 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
             train(tcfg, resume=run_dir.exists(), progress=progress)
         lt_model = load_thresholds(fresh(), thr)
         ev = evaluate(lt_model, loader, device, progress=progress, model_name=model_name)
-        rows.append(_timed_row(lt_model, one, ev, "ltmp", str(target)))
+        rows.append(_timed_row(lt_model, one, batch, ev, "ltmp", str(target)))
         results.append(ev)
         trained[target] = thr
         sched = rate_schedule(vit_spec(model), ev["gmacs"])
         tm_model = patch(fresh(), "tome", r=sched)
         ev_t = evaluate(tm_model, loader, device, progress=progress, model_name=model_name)
         ev_t["paired_test"] = mcnemar(ev["correct"], ev_t["correct"])
-        row = _timed_row(tm_model, one, ev_t, "tome", f"(match {target})")
+        row = _timed_row(tm_model, one, batch, ev_t, "tome", f"(match {target})")
         row["mcnemar_p"] = ev_t["paired_test"]["p_value"]
         rows.append(row)
         results.append(ev_t)
@@ -133,9 +139,11 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         pics.append((f"image {i * (len(val_set) // 4)}", denormalize(x, data_cfg["mean"], data_cfg["std"]),
                      layer_groups(viz_model, x)))
     plot_layers(pics, out / "tokens.png", title=f"ltmp r_target {last}: merged groups (mean colour), pruned (grey)")
-    table = format_table(rows)
+    where = f"{device}, {torch.get_num_threads()} threads"
+    table = format_table(rows) + "\n\n" + speed_sentence(rows, where)
     summary = {"rows": rows, "output": str(out.resolve()), "seconds": time.perf_counter() - t_start,
-               "threads": torch.get_num_threads(), "device": str(device), "eval_images": len(val_set)}
+               "threads": torch.get_num_threads(), "device": str(device), "eval_images": len(val_set),
+               "speed": speed_sentence(rows, where)}
     atomic_write(out / "results.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
     atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(table + "\n"))
     print(table)
@@ -145,10 +153,34 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| method | r_target | r_FLOPs | GMACs | top-1 % (95% CI) | latency b=1 (ms) |",
-             "|---|---|---|---|---|---|"]
+    n = rows[0]["batch"]
+    lines = ["| method | r_target | r_FLOPs | GMACs | top-1 % (95% CI) | latency b=1 (ms) | "
+             f"throughput b={n} (img/s) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["top1_ci95"]
         lines.append(f"| {r['method']} | {r['r_target']} | {r['r_flops']:.3f} | {r['gmacs']:.4f} | "
-                     f"{r['top1']:.2f} ({lo:.1f}-{hi:.1f}) | {r['latency_ms']:.2f} |")
+                     f"{r['top1']:.2f} ({lo:.1f}-{hi:.1f}) | {r['latency_ms']:.2f} | {r['throughput']:.0f} |")
     return "\n".join(lines)
+
+
+def speed_sentence(rows: list[dict], where: str) -> str:
+    """One sentence, from the timings, on whether the reduced models beat the dense one at batch 1 and at batch N.
+
+    Args:
+        rows: The demo's rows, dense first; each with ``latency_ms``, ``throughput`` and ``batch``.
+        where: The machine, e.g. "cpu, 2 threads".
+    """
+    dense, reduced = rows[0], rows[1:]
+    n = dense["batch"]
+    lat = [dense["latency_ms"] / r["latency_ms"] for r in reduced]  # speed-up at batch 1 (> 1: faster)
+    thr = [r["throughput"] / dense["throughput"] for r in reduced]  # speed-up at batch n
+
+    def verdict(ratios: list[float]) -> str:
+        if all(v > 1 for v in ratios):
+            return "every reduced model is faster than dense"
+        if not any(v > 1 for v in ratios):
+            return "every reduced model is slower than dense"
+        return f"{sum(v > 1 for v in ratios)} of {len(ratios)} reduced models are faster than dense"
+
+    return (f"Speed here ({where}): at batch 1 {verdict(lat)} ({min(lat):.2f}-{max(lat):.2f}x its speed); at batch "
+            f"{n} {verdict(thr)} ({min(thr):.2f}-{max(thr):.2f}x its throughput).")
