@@ -8,12 +8,12 @@ copy; every accuracy is on its 10,000 test images, every paired test an exact Mc
 Resumable and spread over sessions: each training run and evaluation is kept under ``--runs`` as soon as it is
 done (written atomically by ``ltmp``) and skipped next time; an interrupted training resumes from its checkpoint.
 ``--hours H`` starts no new job after H hours; the document is then written from what exists, with "pending" for
-the rest (a failed command is reported and left pending too). Order: claims 1 and 7, 2, 3, 4, the recipe
-candidates, 6, then 5 (3 seeds at 2 targets first).
+the rest (a failed command is reported and left pending too). Order: claims 1 and 7, 2, 3, 4, 6, then 5 (seeds
+at the outer targets first).
 
-The recipe (chosen in docs/results.md, section "Recipe"): the paper's loss, SGD, batch 128, tau 0.1, lambda 10,
-frozen backbone, but ``STEPS`` optimizer steps instead of one epoch (claim 6) and ``ltmp train``'s defaults
-(``DEFAULT``: Adam, secant mask gradient, thresholds starting from no reduction; docs/training.md).
+The recipe: the paper's loss, batch 128, tau 0.1, lambda 10, frozen backbone, ``STEPS`` optimizer steps instead of
+one epoch (claim 6) and ``ltmp train``'s defaults (``DEFAULT``: Adam, secant mask gradient, thresholds starting
+from no reduction; docs/training.md has the evidence). ``BEFORE`` holds the tables of the recipe before issue #16.
 """
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ from ltmp.significance import holm, mcnemar
 STEPS = 50  # optimizer steps of batch 128 per run (6,400 training images), as before issue #16
 EPOCH_STEPS = 382  # one epoch of the 49,000 training images left after the 2% hold-out
 COMMON = ["--augment", "light", "--holdout", "0.02", "--checkpoint-every", "10"]
-PAPER = ["--optimizer", "sgd", "--mask-grad", "eps", "--merge-grad", "mask"]  # the paper's recipe (lrs, init 0.9)
 DEFAULT = ["--optimizer", "adam", "--mask-grad", "secant", "--merge-grad", "average"]  # ltmp train's defaults
 RECIPE = COMMON + DEFAULT  # spelled out, so that a later change of defaults starts a new runs folder
 RECIPE_NAME = "adam-secant-average"  # runs folder of this recipe (before issue #16: lrp3e-4-mi1.0)
@@ -42,10 +41,6 @@ TARGETS = (0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45)  # claim 1 (Table 2
 ABLATION_TARGETS = (0.65, 0.5)  # claims 2-3 (Tables 4-5: DeiT-S at 3.0G and 2.3G of 4.6G)
 SEED_TARGETS = (0.8, 0.6, 0.55, 0.45)  # claim 5 (Appendix B: 0.80, 0.62, 0.55, 0.45)
 SEEDS = 3
-PILOTS = {  # recipe candidates: folder -> (label, ltmp train arguments)
-    "paper": ("paper: SGD, lr 5e-3 merge / 5e-6 prune, merge init 0.9, eps mask gradient", PAPER),
-    "default": ("defaults: Adam, lr 2e-3 merge / 2e-4 prune, merge init 1.0, secant mask gradient", DEFAULT),
-}
 BEFORE = ROOT / "results/reproduce-before-16.json"  # the same tables with the training signal before #16
 TOPK = {"ltp": "topk-prune", "ltm": "tome", "ltmp": "topk-mp"}  # learned method -> top-k counterpart (Table 5)
 
@@ -109,19 +104,6 @@ class Jobs:
         if result is not None:
             result["name"], result["folder"] = name, str(folder)
         return result
-
-    def pilot(self, name: str, target: float, *extra: str) -> dict | None:
-        """A recipe candidate: trained and judged on the 1,000 held-out training images, never the test set."""
-        folder = self.root.parent / "recipe" / f"{name}-r{target}"
-        if not (folder / "eval.json").exists():
-            if (folder / "thresholds.safetensors").exists() and not self._late(f"recipe {name}-r{target}"):
-                shutil.rmtree(folder)  # stopped during its held-out evaluation: nothing to resume, train again
-            if not self._train(f"recipe {name}-r{target}", folder, target, "--steps", str(STEPS), *COMMON, *extra):
-                return None
-        log = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines() if line]
-        tail = [rec["r_flops"] for rec in log[-25:]]
-        return {**json.loads((folder / "eval.json").read_text()), "tail_mean": float(np.mean(tail)),
-                "tail_std": float(np.std(tail))}
 
     def matched(self, method: str, other: dict | None) -> dict | None:
         """A fixed-rate method with the per-layer schedule closest to ``other``'s GMACs."""
@@ -302,8 +284,6 @@ def main() -> None:
               "ltpm": jobs.trained("ltpm", t), "ltmp": c2[("ltmp", t)][0]} for t in ABLATION_TARGETS}
     # claim 4: per-layer distributions (Figures 5-6) at r 0.5
     c4 = {m: jobs.analyze(c2[(m, 0.5)][0]) for m in ("ltmp", "ltm", "ltp")}
-    # the recipe: candidates judged on held-out images
-    pilots = {(name, t): jobs.pilot(name, t, *extra) for name, (_, extra) in PILOTS.items() for t in (0.85, 0.5)}
     # claim 6: one epoch of the recipe, evaluated along the way
     long_run = jobs.trained("ltmp", 0.5, steps=EPOCH_STEPS)
     c6 = jobs.convergence(long_run)
@@ -315,10 +295,10 @@ def main() -> None:
         lt = jobs.trained("ltmp", t, seed=s)
         c5[(s, t)] = (lt, jobs.matched("tome", lt))
 
-    write_doc(Path(args.doc), img, jobs, dense, c1, c2, c3, c4, c5, c6, pilots, long_run)
+    write_doc(Path(args.doc), img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run)
 
 
-def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, pilots, long_run) -> None:
+def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
     from ltmp.viz import plot_pareto
 
     points = [dict(r, method=label) for t in TARGETS for label, r in zip(("ltmp", "tome", "ltmp calibrated"), c1[t])
@@ -355,9 +335,10 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, pilots, long_run) -
         f"train held out (as in [cifar10.md](cifar10.md)), **{STEPS} steps** ({STEPS * 128:,} images) instead of "
         "one epoch (claim 6), and `ltmp train`'s defaults since issue #16: eq. 3 as the paper's case rule, Adam "
         "(lr 2e-3 merge, 2e-4 prune), merge thresholds starting at 1.0 (no reduction at step 0), the secant form "
-        f"of eq. 6's mask gradient (`{' '.join(DEFAULT)}`; evidence in [training.md](training.md)). Before #16: "
-        "SGD, prune lr 3e-4, merge init 1.0, eq. 3 as a product and a clamped mask gradient. The paper's own "
-        "recipe against the defaults: Recipe notes at the end.",
+        f"of eq. 6's mask gradient (`{' '.join(DEFAULT)}`). Before #16: SGD, prune lr 3e-4, merge init 1.0, eq. 3 "
+        "as a product and a clamped mask gradient. The evidence for the defaults, with the paper's own recipe (SGD, "
+        "merge init 0.9, prune lr 5e-6) beside them at seven budgets on held-out images, is in "
+        "[training.md](training.md).",
         "",
         f"Dense model: top-1 {top1(dense)} at {gm(dense)} GMACs.",
     ]
@@ -542,23 +523,6 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, pilots, long_run) -
                   f"{sum(p < 0.05 and a['top1'] < b['top1'] for (a, b), p in zip(cal, ps))} significantly below",
                   "-"))
     L += ["", "More (per-layer quantiles; the paper's recipe as reference): [calibration.md](calibration.md)."]
-    # recipe notes
-    L += ["", "## Recipe notes", "",
-          f"Candidates, {STEPS} steps each, judged on the 1,000 held-out training images (never the test set); "
-          "the batch r_FLOPs over the last 25 training steps show whether the thresholds settle:", "",
-          "| recipe | r_target | batch r_FLOPs, last 25 steps (mean +- std) | held-out r_FLOPs | held-out top-1 | "
-          "tokens pruned per image |", "|---|---|---|---|---|---|"]
-    for (name, t), r in sorted(pilots.items(), key=lambda kv: (-kv[0][1], list(PILOTS).index(kv[0][0]))):
-        label = PILOTS[name][0]
-        if r is None:
-            L.append(f"| {label} | {t} | pending | | | |")
-            continue
-        pruned = sum(x["pruned"] for x in r["per_layer"])
-        L.append(f"| {label} | {t} | {r['tail_mean']:.3f} +- {r['tail_std']:.3f} | {r['r_flops']:.3f} | "
-                 f"{r['top1']:.2f} | {pruned:.2f} |")
-    L += ["", "Each candidate trains with the same seed and images; 'tokens pruned per image' shows whether pruning "
-          "is active. The study behind the defaults (three mask-gradient forms, two optimizers, the budget as a "
-          "constraint; 100 steps at seven budgets): [training.md](training.md)."]
     head = L.index("## Recipe")
     L[head:head] = ["## Summary", "", "Differences in top-1 points (ours: McNemar p on 10,000 test images). Before "
                     f"#16: the same claims with the training signal before issue #16 ({was.data.get('source', '-')})."
