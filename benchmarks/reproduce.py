@@ -33,7 +33,7 @@ from ltmp.significance import holm, mcnemar
 
 STEPS = 50  # optimizer steps of batch 128 per run (6,400 training images), as before issue #16
 EPOCH_STEPS = 382  # one epoch of the 49,000 training images left after the 2% hold-out
-COMMON = ["--augment", "light", "--holdout", "0.02", "--checkpoint-every", "10"]
+COMMON = ["--augment", "light", "--holdout", "0.02", "--checkpoint-every", "10", "--no-settle"]  # training alone
 DEFAULT = ["--optimizer", "adam", "--mask-grad", "secant", "--merge-grad", "average"]  # ltmp train's defaults
 RECIPE = COMMON + DEFAULT  # spelled out, so that a later change of defaults starts a new runs folder
 RECIPE_NAME = "adam-secant-average"  # runs folder of this recipe (before issue #16: lrp3e-4-mi1.0)

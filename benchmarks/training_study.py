@@ -63,7 +63,7 @@ def train(folder: Path, target: float, extra: list[str]) -> None:
         return
     cmd = [sys.executable, "-m", "ltmp", "--quiet", "train", "--model", MODEL, "--pretrained", "--data-dir", DATA,
            "--output", str(folder), "--r-target", str(target), "--steps", str(STEPS), "--augment", "light",
-           "--holdout", "0.02", "--checkpoint-every", "10", *extra]
+           "--holdout", "0.02", "--checkpoint-every", "10", "--no-settle", *extra]  # training alone, as measured
     if (folder / "checkpoint.safetensors").exists():
         cmd.append("--resume")
     print(" ".join(cmd), flush=True)

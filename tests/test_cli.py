@@ -82,6 +82,26 @@ def test_train_writes_thresholds_config_log_and_eval(tiny_model, tiny_data, tmp_
     assert "thresholds:" in capsys.readouterr().out
 
 
+def test_train_settles_the_budget_on_held_out_images(tiny_model, tiny_data, tmp_path, capsys):
+    """3 steps miss r_target 0.6; by default one shared shift of the merge thresholds meets it (within 0.01) on the
+    clean held-out images, which eval.json then reports; --no-settle keeps the trained thresholds."""
+    settled, kept = tmp_path / "settled", tmp_path / "kept"
+    assert main(train_args(tiny_model, tiny_data, settled, "--steps", "3", "--holdout", "0.25")) == 0
+    assert "settle: r_FLOPs" in capsys.readouterr().out
+    assert main(train_args(tiny_model, tiny_data, kept, "--steps", "3", "--holdout", "0.25", "--no-settle")) == 0
+    ev_s, ev_k = (json.loads((d / "eval.json").read_text()) for d in (settled, kept))
+    st = ev_s["settle"]
+    assert st["on"] == "12 held-out training images" and "settle" not in ev_k
+    assert abs(ev_k["r_flops"] - 0.6) > 0.01 and st["r_flops_trained"] == pytest.approx(ev_k["r_flops"], abs=1e-6)
+    assert abs(ev_s["r_flops"] - 0.6) <= 0.01 and ev_s["r_flops"] == pytest.approx(st["r_flops"], abs=1e-6)
+    meta = ltmp.read_thresholds(settled / "thresholds.safetensors")[1]
+    assert float(meta["r_flops_trained"]) == st["r_flops_trained"] and float(meta["r_flops_settled"]) == st["r_flops"]
+    th_s, th_k = thresholds_of(settled / "thresholds.safetensors"), thresholds_of(kept / "thresholds.safetensors")
+    for name, value in th_k.items():  # merge thresholds move together (clamped to [-1, 1]), prune ones stay
+        moved = max(-1.0, min(1.0, value + st["shift"])) if name.startswith("merge") else value
+        assert th_s[name] == pytest.approx(moved, abs=1e-6), name
+
+
 def test_optimizer_defaults_fill_only_what_is_not_given():
     """--optimizer sgd without learning rates is the paper's recipe; a value given is kept."""
     from ltmp.train import TrainConfig, resolve
@@ -178,7 +198,8 @@ def test_thresholds_stay_within_the_range_of_their_scores(tiny_model, tiny_data,
     """Steps far too large for the scores still leave merge thresholds in [-1, 1] (cosine similarities) and prune
     thresholds in [0, 1] (mean column attention), where the surrogate gradient can bring them back."""
     out = tmp_path / "run"
-    args = train_args(tiny_model, tiny_data, out, "--steps", "2", "--no-eval", "--lr-merge", "1e4")
+    args = train_args(tiny_model, tiny_data, out, "--steps", "2", "--no-eval", "--lr-merge", "1e4",
+                      "--no-settle")
     args[args.index("5e-3")] = "1e4"
     assert main(args) == 0
     th = thresholds_of(out / "thresholds.safetensors")

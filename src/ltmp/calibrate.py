@@ -46,11 +46,7 @@ def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: t
     prune = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
 
     def r_of() -> float:
-        total = 0.0
-        for i in range(0, len(images), batch):
-            model(images[i:i + batch].to(device))
-            total += float(r_flops(model).sum())
-        return total / len(images)
+        return mean_eval_r_flops(model, images, device, batch)
 
     if mode == "quantile":
         lo, hi, increasing = 0.0, 1.0, False  # r falls as f grows
@@ -76,6 +72,12 @@ def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: t
     else:
         raise LtmpError(f"unknown calibration mode '{mode}'; choose 'shared' or 'quantile'")
 
+    return _bisect(r_at, lo, hi, increasing, r_target, iters)
+
+
+def _bisect(r_at, lo: float, hi: float, increasing: bool, r_target: float, iters: int) -> float:
+    """Bisect the argument of ``r_at`` (r_FLOPs rising with it if ``increasing``) towards ``r_target``; leaves the
+    model at the final midpoint and returns its r_FLOPs."""
     for _ in range(iters):
         mid = (lo + hi) / 2
         if (r_at(mid) < r_target) == increasing:
@@ -83,4 +85,52 @@ def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: t
         else:
             hi = mid
     return r_at((lo + hi) / 2)
+
+
+@torch.no_grad()
+def mean_eval_r_flops(model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu",
+                      batch: int = 128) -> float:
+    """Mean eval-mode r_FLOPs (eq. 13) of ``images`` (N, 3, H, W), in batches."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(images), batch):
+        model(images[i:i + batch].to(device))
+        total += float(r_flops(model).sum())
+    return total / len(images)
+
+
+@torch.no_grad()
+def settle(model: nn.Module, images: torch.Tensor, r_target: float, device: torch.device | str = "cpu",
+           tolerance: float = 0.01, iters: int = 18, batch: int = 128) -> dict:
+    """Meet the budget on clean images after training: when eval-mode r_FLOPs on ``images`` miss ``r_target`` by
+    more than ``tolerance``, shift the trained thresholds by one shared amount, bisected as :func:`calibrate`
+    ``mode="shared"`` does (the merge thresholds for methods that merge, else the prune thresholds). The learned
+    allocation over blocks (their differences) stays.
+
+    Returns:
+        ``r_flops_trained`` (before), ``r_flops`` (after), ``shift`` (0.0 when within tolerance) and ``images``.
+    """
+    merge = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
+    prune = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
+    before = mean_eval_r_flops(model, images, device, batch)
+    out = {"r_flops_trained": before, "r_flops": before, "shift": 0.0, "images": len(images)}
+    if abs(before - r_target) <= tolerance:
+        return out
+    params = merge or prune
+    base = [p.detach().clone() for p in params]
+    # the scores' ranges, as training keeps them: cosine similarity in [-1, 1], importance in [0, 1] (eq. 17) or
+    # [0, heads] (class attention summed over heads, eq. 16)
+    top = 1.0 if merge or model.ltmp_config.importance == "mean" else float(model.blocks[0].attn.num_heads)
+    low = -1.0 if merge else 0.0
+    span = top - low
+
+    def r_at(shift: float) -> float:
+        for p, b in zip(params, base):
+            p.copy_((b + shift).clamp(low, top))
+        out["shift"] = shift
+        return mean_eval_r_flops(model, images, device, batch)
+
+    # r rises with the merge thresholds (fewer merges) and falls with the prune thresholds (more pruned)
+    out["r_flops"] = _bisect(r_at, -span, span, bool(merge), r_target, iters)
+    return out
 

@@ -67,7 +67,7 @@ def cmd_train(args) -> int:
         lam=args.lam, budget=args.budget, optimizer=args.optimizer, lr_prune=args.lr_prune, lr_merge=args.lr_merge,
         merge_init=args.merge_init,
         prune_init=args.prune_init, mask_grad=args.mask_grad, merge_grad=args.merge_grad, calibrate=args.calibrate,
-        distill=args.distill,
+        distill=args.distill, settle=not args.no_settle,
         batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
         val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
         augment=args.augment, amp=args.amp, seed=args.seed, checkpoint_every=args.checkpoint_every,
@@ -76,6 +76,11 @@ def cmd_train(args) -> int:
     if "thresholds" in result:
         print(f"thresholds: {result['thresholds']}  (steps {result['steps']}, last batch r_FLOPs "
               f"{result['r_flops']:.3f}, target {cfg.r_target})")
+    if "settle" in result:
+        st = result["settle"]
+        print(f"settle: r_FLOPs {st['r_flops_trained']:.3f} on {st['on']}; "
+              + (f"shifted the thresholds by {st['shift']:+.4f} to {st['r_flops']:.3f}" if st["shift"] else
+                 "within 0.01 of the target, kept"))
     if "eval" in result:
         print(format_eval(result["eval"]))
     return 0
@@ -442,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge thresholds learn through the masks and merged averages, or the masks only")
     t.add_argument("--calibrate", action="store_true",
                    help="start from thresholds bisected to hit --r-target on 256 training images")
+    t.add_argument("--no-settle", action="store_true",
+                   help="keep the trained thresholds as they are; by default, when r_FLOPs on clean held-out (or "
+                        "training) images miss --r-target by more than 0.01, one shared shift settles them")
     t.add_argument("--distill", type=float, default=0.0, metavar="W",
                    help="weight of distillation from the unreduced model's logits in the task loss (0: labels "
                         "only, the paper; 1: teacher only)")

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 
 from . import data as ldata
-from .calibrate import calibrate, calibration_batch
+from .calibrate import calibrate, calibration_batch, settle
 from .errors import LtmpError
 from .evaluate import evaluate
 from .flops import budget_loss_value
@@ -61,6 +61,8 @@ class TrainConfig:
     mask_grad: str = "secant"  # bounded form of eq. 6's gradient to removed tokens' masks (ltmp.ops.MASK_GRADS)
     merge_grad: str = "average"  # merge thresholds learn through masks and merged averages, or masks only ("mask")
     calibrate: bool = False  # start from thresholds bisected to hit r_target on a few images (no training)
+    settle: bool = True  # after training, shift the thresholds until clean images meet r_target (within 0.01)
+    settle_images: int = 1024  # images for that check: held-out ones with --holdout, else training images
     distill: float = 0.0  # weight w of distillation: task loss (1 - w) CE(labels) + w KL(unreduced model || reduced)
     calibrate_images: int = 256  # images used by the calibration
     batch_size: int = 128  # global batch, split over processes
@@ -429,9 +431,16 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             log_f.close()
     result = {"steps": steps, "train_images": len(indices), "skipped": skipped, **{k: last.get(k) for k in (
         "r_flops", "loss")}}
+    meta = {"r_target": repr(cfg.r_target), "steps": str(steps)}
+    if ddp.main and cfg.settle:
+        images, where = settle_images(cfg, model, train_set, indices, val_set)
+        result["settle"] = {**settle(model, images, cfg.r_target, device), "on": where}
+        threshold_training_mode(model)
+        meta.update({"r_flops_trained": repr(result["settle"]["r_flops_trained"]),
+                     "r_flops_settled": repr(result["settle"]["r_flops"]),
+                     "settle_shift": repr(result["settle"]["shift"]), "settled_on": where})
     if ddp.main:
-        save_thresholds(model, out / "thresholds.safetensors",
-                        extra={"r_target": repr(cfg.r_target), "steps": str(steps)})
+        save_thresholds(model, out / "thresholds.safetensors", extra=meta)
         if ckpt_path.exists():
             ckpt_path.unlink()
         result["thresholds"] = str(out / "thresholds.safetensors")
@@ -443,8 +452,22 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         loader = DataLoader(val_set, batch_size=cfg.batch_size, num_workers=cfg.workers,
                             collate_fn=ldata.collate_skip)
         result["eval"] = evaluate(model, loader, device, amp=cfg.amp, progress=progress, model_name=cfg.model)
+        if "settle" in result:
+            result["eval"]["settle"] = result["settle"]
         atomic_write(out / "eval.json", lambda tmp: Path(tmp).write_text(json.dumps(result["eval"], indent=2)))
     return result
+
+
+def settle_images(cfg: TrainConfig, model: nn.Module, train_set, indices: list[int], val_set) -> tuple:
+    """Clean images to settle the budget on (eval transform): the held-out images (``--holdout``), else training
+    images; never the validation split, which evaluates. Returns the (N, 3, H, W) batch and where it came from."""
+    n = cfg.settle_images
+    if cfg.holdout and val_set is not None:
+        items = [val_set[i] for i in range(min(n, len(val_set)))]
+        images = torch.stack([it[0] for it in items if it is not None])
+        return images, f"{len(images)} held-out training images"
+    images = calibration_batch(model, train_set.root, n, cfg.seed + 47, indices, train_set.classes)
+    return images, f"{len(images)} training images (eval transform; pass --holdout to settle on held-out ones)"
 
 
 def distill_loss(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
