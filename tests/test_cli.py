@@ -209,6 +209,7 @@ def test_thresholds_stay_within_the_range_of_their_scores(tiny_model, tiny_data,
     assert {-1.0, 1.0} & set(merge) and {0.0, 1.0} & set(prune), th  # the steps did reach a bound
 
 
+@pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted_run(tiny_model, tiny_data, tmp_path):
     """Also the budget multiplier (--budget constraint) and Adam's moments resume: without them the thresholds
     would differ."""
@@ -242,6 +243,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny_model, tiny_data, tmp_
     assert steps == list(range(1, 13))
 
 
+@pytest.mark.slow
 def test_two_process_training_matches_one_process(tiny_model, tiny_data, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     args = ["--steps", "4", "--no-eval"]
@@ -420,6 +422,7 @@ def test_resume_refuses_changed_settings_and_fresh_runs_drop_stale_checkpoints(t
     assert not (out / "checkpoint.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_compile_flags_compile_both_models_and_train_learns_the_same_thresholds(tiny_model, tiny_data, tmp_path,
                                                                                 monkeypatch):
     """--compile goes through torch.compile (here with Dynamo's "eager" backend, for speed): bench compiles the dense

@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 import ltmp
 from conftest import THRESHOLDS, images, make_model
 
-pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile")
+pytestmark = [pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile"), pytest.mark.slow]
 
 
 @pytest.mark.parametrize("name, method, batch", [

@@ -50,6 +50,7 @@ def test_layer_groups_match_the_recorded_token_counts():
     assert pic.shape == (32, 32, 3) and 0 <= pic.min() and pic.max() <= 1
 
 
+@pytest.mark.slow
 def test_pretrain_resumes_to_the_same_weights(tiny_data, tmp_path, monkeypatch):  # noqa: F811
     import ltmp.pretrain as pt
 
@@ -70,6 +71,7 @@ def test_pretrain_resumes_to_the_same_weights(tiny_data, tmp_path, monkeypatch):
     assert cfg["architecture"] == "vit_tiny_patch16_224" and cfg["pretrained_cfg"]["input_size"] == [3, 32, 32]
 
 
+@pytest.mark.slow
 def test_demo_writes_table_plot_and_token_picture(tiny_model, tiny_data, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "demo"
     assert main(["--quiet", "demo", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data),

@@ -71,6 +71,7 @@ def test_export_rejects_batches():
         export_model(_patched("cls", "tome"), images(2, torch.float32), "export", "x.pt2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ltmp", "tome", "topk-prune"])
 def test_onnx_export_runs_in_onnxruntime_with_data_dependent_counts(method, tmp_path):
     ort = pytest.importorskip("onnxruntime")  # in requirements-dev.txt; optional for users
