@@ -298,6 +298,19 @@ def main() -> None:
     write_doc(Path(args.doc), img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run)
 
 
+def tally(S: list[tuple[str, str, str, str]], was: Before) -> str:
+    """How many summary lines agree with the paper, now and before #16 (the lines with a verdict)."""
+    def count(verdicts: list[str]) -> str:
+        judged = [v for v in verdicts if v not in ("-", "pending")]
+        agree = sum(v.startswith("agrees") for v in judged)
+        against = sum(v.startswith("disagrees") for v in judged)
+        return (f"{agree} of {len(judged)} agree, {against} disagree, {len(judged) - agree - against} are neither "
+                "(not significant here, partly, or larger here)")
+
+    return (f"Summary lines with a verdict: now {count([v for *_, v in S])}; before #16 "
+            f"{count([was.summary(c)[1] for c, *_ in S])}.")
+
+
 def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
     from ltmp.viz import plot_pareto
 
@@ -372,7 +385,8 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
                  "DeiT-S +0.3 points at 3.0G and +0.5 at 2.3G (Tables 3 and 5); no significance test.")
         S.append(("1. LTMP beats ToMe at matching GMACs, at every size", "+0.3 / +0.5 (DeiT-S 3.0G / 2.3G)",
                   ", ".join(f"{diff[t]:+.2f}" for t in done) + f" (r_target {TARGETS[0]} to {done[-1]})",
-                  "agrees" if better == len(done) else f"disagrees: better at {better}, worse at {worse} of "
+                  "agrees" if better == len(done) else
+                  f"{'disagrees' if worse else 'not significant here'}: better at {better}, worse at {worse} of "
                   f"{len(done)} (Holm p < 0.05)"))
     # claim 2
     L += ["", "## 2. Learned thresholds against top-k (Table 5)", "",
@@ -528,7 +542,8 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
                     f"#16: the same claims with the training signal before issue #16 ({was.data.get('source', '-')})."
                     , "", "| claim | paper | ours | verdict | before #16: ours | before #16: verdict |",
                     "|---|---|---|---|---|---|"] + [
-        f"| {c} | {pa} | {o} | {v} | {' | '.join(was.summary(c))} |" for c, pa, o, v in S] + [""]
+        f"| {c} | {pa} | {o} | {v} | {' | '.join(was.summary(c))} |" for c, pa, o, v in S] + [""] + [
+        tally(S, was), ""]
     text = "\n".join(L) + "\n"
     doc.write_text(text)
     raw = ROOT / "results" / "reproduce.json"
