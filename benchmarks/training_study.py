@@ -87,14 +87,32 @@ def row(name: str, target: float, folder: Path) -> str | None:
             f"{merged:.1f} / {pruned:.1f} | {early / (merged + pruned):.0%} |")
 
 
+#: studies whose variants are compared, image by image on the same held-out images, with a baseline variant
+BASELINE = {"beyond": "secant-adam"}
+
+
+def paired(folder: Path, base: Path) -> str:
+    """top-1 difference to the baseline run and the exact McNemar p on the same held-out images."""
+    from ltmp.significance import mcnemar
+
+    if not (folder / "eval.json").exists() or not (base / "eval.json").exists():
+        return "-"
+    a, b = (json.loads((f / "eval.json").read_text()) for f in (folder, base))
+    return f"{a['top1'] - b['top1']:+.2f} (p={mcnemar(a['correct'], b['correct'])['p_value']:.2g})"
+
+
 def table(runs: Path, study: str) -> str:
     targets, variants = STUDIES[study]
+    base = BASELINE.get(study)
     lines = [f"### {study}", "", "| variant | r_target | held-out r_FLOPs (miss) | held-out top-1 | merged / pruned "
-             "per image | share in blocks 1-4 |", "|---|---|---|---|---|---|"]
+             "per image | share in blocks 1-4 |" + (f" top-1 - {base} (p) |" if base else ""),
+             "|---|---|---|---|---|---|" + ("---|" if base else "")]
     for name in variants:
         for target in targets:
             line = row(name, target, runs / f"{name}-r{target}")
             if line:
+                if base:
+                    line += f" {paired(runs / f'{name}-r{target}', runs / f'{base}-r{target}')} |"
                 lines.append(line)
     return "\n".join(lines)
 
