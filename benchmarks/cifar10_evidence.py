@@ -40,7 +40,8 @@ def train(out: Path, target: float, augment: str) -> dict:
     if not (out / "eval.json").exists():
         resume = ["--resume"] if out.exists() else []
         run(["train", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
-             "--r-target", str(target), "--augment", augment, "--holdout", "0.02", "--output", str(out)] + resume)
+             "--r-target", str(target), "--augment", augment, "--holdout", "0.02", "--output", str(out),
+             "--no-settle"] + resume)
     return json.loads((out / "eval.json").read_text())
 
 

@@ -36,7 +36,8 @@ def main() -> None:
             out = runs / (f"light-r{t}" if name == "paper" else f"light-{name}-r{t}")
             if not (out / "eval.json").exists():
                 run(["train", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
-                     "--r-target", str(t), "--augment", "light", "--holdout", "0.02", "--output", str(out)]
+                     "--r-target", str(t), "--augment", "light", "--holdout", "0.02", "--output", str(out),
+                     "--no-settle"]
                     + extra + (["--resume"] if out.exists() else []))
             lt_json = runs / f"test-ltmp-{out.name}.json"
             lt = evaluate(lt_json, "--thresholds", str(out / "thresholds.safetensors"))

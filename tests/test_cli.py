@@ -265,6 +265,21 @@ def run_cli(args, capsys) -> tuple[int, str]:
     return code, err
 
 
+def test_bad_eval_json_and_targets_get_one_line_errors(tiny_model, tiny_data, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    common = ["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--workers", "0"]
+    assert main(common + ["--method", "tome", "--match", str(bad)]) == 2
+    assert capsys.readouterr().err.strip() == (f"ltmp: error: --match {bad}: cannot read it as JSON (JSONDecodeError); "
+                                               "pass an eval.json written by ltmp eval --json or ltmp train")
+    bad.write_text("{}")
+    assert main(common + ["--method", "tome", "--r", "2", "--compare", str(bad)]) == 2
+    assert "has no 'gmacs'; pass an eval.json" in capsys.readouterr().err
+    assert main(["--quiet", "demo", "--targets", "0.7,x", "--output", str(tmp_path / "d")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "ltmp: error: --targets takes comma-separated numbers such as 0.7,0.5, got '0.7,x'")
+
+
 def test_unexpected_errors_keep_their_traceback(tiny_model, monkeypatch):
     """Only the user mistakes ltmp names (LtmpError) become one-line errors; a bug anywhere else propagates."""
     import ltmp.runtime

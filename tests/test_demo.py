@@ -36,6 +36,28 @@ def test_calibration_hits_the_target_without_training(method, target, mode):
             assert int(rec.merged.sum()) > 0
 
 
+@pytest.mark.parametrize("method", ["ltmp", "ltp"])
+def test_settle_shifts_trained_thresholds_together_and_says_when_it_cannot(method):
+    """One shared shift of the merge thresholds (prune thresholds for ltp) keeps their differences; a target no shift
+    can reach is reported as not met."""
+    from ltmp.calibrate import mean_eval_r_flops, settle
+
+    model = ltmp.patch(make_model("cls", torch.float32), method, merge_threshold=0.95, prune_threshold=0.0)
+    kind = "merge_threshold" if method == "ltmp" else "prune_threshold"
+    with torch.no_grad():
+        for i, blk in enumerate(model.blocks):
+            getattr(blk, kind).add_(-0.001 * i if method == "ltmp" else 0.001 * i)  # a per-block allocation
+    before = ltmp.thresholds.threshold_tensors(model)[kind].clone()
+    x = images(16, torch.float32)
+    out = settle(model, x, 0.6, tolerance=0.02)
+    assert out["met"] and abs(out["r_flops"] - 0.6) <= 0.02 and out["shift"] != 0.0
+    assert out["r_flops"] == pytest.approx(mean_eval_r_flops(model, x), abs=1e-9)
+    after = ltmp.thresholds.threshold_tensors(model)[kind]
+    assert torch.allclose(after - before, torch.full_like(before, out["shift"]), atol=1e-6)  # differences kept
+    far = settle(model, x, 0.01)  # keeps one token per block at least: 0.01 is out of reach
+    assert not far["met"] and far["r_flops"] > 0.05
+
+
 def test_layer_groups_match_the_recorded_token_counts():
     model = ltmp.patch(make_model("cls"), "ltmp", trace_source=True, **THRESHOLDS)
     x = images(1)[0]

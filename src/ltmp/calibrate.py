@@ -10,6 +10,7 @@ from torch import nn
 from . import data as ldata
 from .errors import LtmpError
 from .record import r_flops
+from .runtime import amp_context
 
 
 def calibration_batch(model: nn.Module, root: str | os.PathLike, n: int, seed: int,
@@ -89,31 +90,33 @@ def _bisect(r_at, lo: float, hi: float, increasing: bool, r_target: float, iters
 
 @torch.no_grad()
 def mean_eval_r_flops(model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu",
-                      batch: int = 128) -> float:
-    """Mean eval-mode r_FLOPs (eq. 13) of ``images`` (N, 3, H, W), in batches."""
+                      batch: int = 128, amp: str = "") -> float:
+    """Mean eval-mode r_FLOPs (eq. 13) of ``images`` (N, 3, H, W), in batches (under ``--amp``'s autocast)."""
     model.eval()
     total = 0.0
     for i in range(0, len(images), batch):
-        model(images[i:i + batch].to(device))
+        with amp_context(amp, torch.device(device)):
+            model(images[i:i + batch].to(device))
         total += float(r_flops(model).sum())
     return total / len(images)
 
 
 @torch.no_grad()
 def settle(model: nn.Module, images: torch.Tensor, r_target: float, device: torch.device | str = "cpu",
-           tolerance: float = 0.01, iters: int = 18, batch: int = 128) -> dict:
+           tolerance: float = 0.01, iters: int = 18, batch: int = 128, amp: str = "") -> dict:
     """Meet the budget on clean images after training: when eval-mode r_FLOPs on ``images`` miss ``r_target`` by
     more than ``tolerance``, shift the trained thresholds by one shared amount, bisected as :func:`calibrate`
     ``mode="shared"`` does (the merge thresholds for methods that merge, else the prune thresholds). The learned
     allocation over blocks (their differences) stays.
 
     Returns:
-        ``r_flops_trained`` (before), ``r_flops`` (after), ``shift`` (0.0 when within tolerance) and ``images``.
+        ``r_flops_trained`` (before), ``r_flops`` (after), ``shift`` (0.0 when within tolerance), ``met`` (within
+        tolerance after settling; False when even the largest shift cannot reach the target) and ``images``.
     """
     merge = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
     prune = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
-    before = mean_eval_r_flops(model, images, device, batch)
-    out = {"r_flops_trained": before, "r_flops": before, "shift": 0.0, "images": len(images)}
+    before = mean_eval_r_flops(model, images, device, batch, amp)
+    out = {"r_flops_trained": before, "r_flops": before, "shift": 0.0, "met": True, "images": len(images)}
     if abs(before - r_target) <= tolerance:
         return out
     params = merge or prune
@@ -128,9 +131,10 @@ def settle(model: nn.Module, images: torch.Tensor, r_target: float, device: torc
         for p, b in zip(params, base):
             p.copy_((b + shift).clamp(low, top))
         out["shift"] = shift
-        return mean_eval_r_flops(model, images, device, batch)
+        return mean_eval_r_flops(model, images, device, batch, amp)
 
     # r rises with the merge thresholds (fewer merges) and falls with the prune thresholds (more pruned)
     out["r_flops"] = _bisect(r_at, -span, span, bool(merge), r_target, iters)
+    out["met"] = abs(out["r_flops"] - r_target) <= tolerance
     return out
 

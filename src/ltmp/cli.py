@@ -81,6 +81,9 @@ def cmd_train(args) -> int:
         print(f"settle: r_FLOPs {st['r_flops_trained']:.3f} on {st['on']}; "
               + (f"shifted the thresholds by {st['shift']:+.4f} to {st['r_flops']:.3f}" if st["shift"] else
                  "within 0.01 of the target, kept"))
+        if not st["met"]:
+            print(f"ltmp: warning: no shared shift reaches r_target {cfg.r_target} on these images (closest "
+                  f"{st['r_flops']:.3f}); retrain with another --lr-merge/--lr-prune or --method", file=sys.stderr)
     if "eval" in result:
         print(format_eval(result["eval"]))
     return 0
@@ -105,6 +108,20 @@ def _eval_set(model, data_dir: str, val_split: str, max_images: int | None = Non
     return ldata.spread_subset(dataset, max_images)
 
 
+def _eval_json(path: str, flag: str) -> dict:
+    """An eval.json written by ``ltmp eval --json`` or ``ltmp train``, for --match and --compare."""
+    try:
+        res = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CLIError(f"{flag} {path}: cannot read it as JSON ({type(e).__name__}); pass an eval.json written by "
+                       f"ltmp eval --json or ltmp train") from None
+    missing = [k for k in ("gmacs", "correct", "method", "top1") if k not in res]
+    if missing:
+        raise CLIError(f"{flag} {path} has no '{missing[0]}'; pass an eval.json written by ltmp eval --json or "
+                       f"ltmp train")
+    return res
+
+
 def cmd_eval(args) -> int:
     from torch.utils.data import DataLoader
 
@@ -125,7 +142,7 @@ def cmd_eval(args) -> int:
         if args.match_gmacs is not None or args.match is not None:
             target = args.match_gmacs
             if args.match is not None:
-                target = json.loads(Path(args.match).read_text())["gmacs"]
+                target = _eval_json(args.match, "--match")["gmacs"]
             rate = rate_schedule(vit_spec(model), target, args.method)
         patch(model, args.method, r=rate if args.method == "tome" else None,
                    k=rate if args.method != "tome" else None)
@@ -141,7 +158,7 @@ def cmd_eval(args) -> int:
     if result["rate"] is not None:
         print(f"per-layer rate: {','.join(str(v) for v in result['rate'])}")
     if args.compare:
-        other = json.loads(Path(args.compare).read_text())
+        other = _eval_json(args.compare, "--compare")
         from .significance import mcnemar
 
         test = mcnemar(result["correct"], other["correct"])
@@ -388,7 +405,10 @@ def cmd_pareto(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import DemoConfig, run_demo
 
-    targets = tuple(float(t) for t in args.targets.split(","))
+    try:
+        targets = tuple(float(t) for t in args.targets.split(","))
+    except ValueError:
+        raise CLIError(f"--targets takes comma-separated numbers such as 0.7,0.5, got '{args.targets}'") from None
     for t in targets:
         if not 0 < t <= 1:
             raise CLIError(f"--targets must lie in (0, 1], got {t}")

@@ -211,6 +211,10 @@ RESUME_KEYS = ("model", "data_dir", "method", "importance", "r_target", "batch_s
                "budget", "optimizer", "distill")
 
 
+#: values of settings added later, for checkpoints written before they existed
+LEGACY = {"distill": 0.0}
+
+
 def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tuple[int, float, dict]:
     """Restore thresholds from a training checkpoint made with the same settings; returns the step to continue
     from, the budget multiplier mu (``budget="constraint"``) and the optimizer's per-parameter state."""
@@ -226,7 +230,7 @@ def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tup
         raise TrainError(f"{path} is not an ltmp training checkpoint; delete it to start over")
     saved = json.loads(meta.get("config", "{}"))
     now = dataclasses.asdict(cfg)
-    changed = [k for k in RESUME_KEYS if saved.get(k) != now[k]]
+    changed = [k for k in RESUME_KEYS if saved.get(k, LEGACY.get(k)) != now[k]]
     if changed:
         k = changed[0]
         raise TrainError(f"cannot resume {path.parent}: it was started with {k}={saved.get(k)!r}, not "
@@ -431,24 +435,23 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             log_f.close()
     result = {"steps": steps, "train_images": len(indices), "skipped": skipped, **{k: last.get(k) for k in (
         "r_flops", "loss")}}
+    if ddp.world > 1:
+        dist.barrier()  # training is done on every rank; rank 0 settles, saves and evaluates alone
+        if not ddp.main:
+            return result
     meta = {"r_target": repr(cfg.r_target), "steps": str(steps)}
-    if ddp.main and cfg.settle:
+    if cfg.settle:
         images, where = settle_images(cfg, model, train_set, indices, val_set)
-        result["settle"] = {**settle(model, images, cfg.r_target, device), "on": where}
+        result["settle"] = {**settle(model, images, cfg.r_target, device, amp=cfg.amp), "on": where}
         threshold_training_mode(model)
         meta.update({"r_flops_trained": repr(result["settle"]["r_flops_trained"]),
                      "r_flops_settled": repr(result["settle"]["r_flops"]),
                      "settle_shift": repr(result["settle"]["shift"]), "settled_on": where})
-    if ddp.main:
-        save_thresholds(model, out / "thresholds.safetensors", extra=meta)
-        if ckpt_path.exists():
-            ckpt_path.unlink()
-        result["thresholds"] = str(out / "thresholds.safetensors")
-    if ddp.world > 1:
-        dist.barrier()  # the other ranks are done; rank 0 evaluates alone
-        if not ddp.main:
-            return result
-    if cfg.eval_after and val_set is not None and ddp.main:
+    save_thresholds(model, out / "thresholds.safetensors", extra=meta)
+    if ckpt_path.exists():
+        ckpt_path.unlink()
+    result["thresholds"] = str(out / "thresholds.safetensors")
+    if cfg.eval_after and val_set is not None:
         loader = DataLoader(val_set, batch_size=cfg.batch_size, num_workers=cfg.workers,
                             collate_fn=ldata.collate_skip)
         result["eval"] = evaluate(model, loader, device, amp=cfg.amp, progress=progress, model_name=cfg.model)
@@ -462,10 +465,11 @@ def settle_images(cfg: TrainConfig, model: nn.Module, train_set, indices: list[i
     """Clean images to settle the budget on (eval transform): the held-out images (``--holdout``), else training
     images; never the validation split, which evaluates. Returns the (N, 3, H, W) batch and where it came from."""
     n = cfg.settle_images
-    if cfg.holdout and val_set is not None:
-        items = [val_set[i] for i in range(min(n, len(val_set)))]
-        images = torch.stack([it[0] for it in items if it is not None])
-        return images, f"{len(images)} held-out training images"
+    if isinstance(val_set, Subset):  # held out of train (--holdout); spread over it, as it is sorted by class
+        held = ldata.spread_subset(val_set, n)
+        items = [it for it in (held[i] for i in range(len(held))) if it is not None]
+        if items:
+            return torch.stack([it[0] for it in items]), f"{len(items)} held-out training images"
     images = calibration_batch(model, train_set.root, n, cfg.seed + 47, indices, train_set.classes)
     return images, f"{len(images)} training images (eval transform; pass --holdout to settle on held-out ones)"
 
