@@ -20,20 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ltmp.cli import main as ltmp_main
+from common import DATA, MODEL, ROOT, run
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = f"local-dir:{ROOT.parent / 'shared/models/vit-cifar10'}"
-DATA = str(ROOT.parent / "shared/data/cifar10/cifar10-jpeg.tar.gz")
 TARGETS = (0.7, 0.5)
 AUGMENTS = ("timm", "light")
-
-
-def run(args: list[str]) -> None:
-    print("$ ltmp " + " ".join(args), flush=True)
-    code = ltmp_main(["--quiet"] + args)
-    if code:
-        raise SystemExit(code)
 
 
 def train(out: Path, target: float, augment: str) -> dict:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cifar10_evidence import DATA, MODEL, ROOT, evaluate, run
+from cifar10_evidence import evaluate
+from common import DATA, MODEL, ROOT, run
 
 VARIANTS = {  # name -> extra train arguments
     "paper": [],

@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 
 import ltmp
-from ltmp.calibrate import calibrate
+from common import calibrated, load_images, load_model
 from ltmp.thresholds import set_thresholds, threshold_tensors
-from speed import load_images, load_model
 
 FAILED: list[str] = []
 
@@ -70,8 +69,7 @@ def closest_margin(model, x: torch.Tensor) -> str:
 
 def run(name: str, cuda: torch.device) -> None:
     dense = load_model(name)
-    cpu_m = ltmp.patch(copy.deepcopy(dense), "ltmp")
-    calibrate(cpu_m, load_images(dense, "train", 64), 0.6, mode="quantile", iters=10)
+    cpu_m, _ = calibrated(dense, 0.6)
     gpu_m = ltmp.patch(copy.deepcopy(dense), "ltmp").to(cuda)
     set_thresholds(gpu_m, {k: v.to(cuda) for k, v in threshold_tensors(cpu_m).items()})
     x = load_images(dense, "test", 16)  # (16, 3, H, W)

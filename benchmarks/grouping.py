@@ -12,15 +12,13 @@ and the groups planned per block.
 from __future__ import annotations
 
 import argparse
-import copy
 
 import torch
 
 import ltmp
+from common import at_gmacs, calibrated, load_images, load_model
 from ltmp import ops, timm_patch
 from ltmp.bench import compare_models, paired_ratio
-from ltmp.calibrate import calibrate
-from speed import at_gmacs, load_images, load_model
 
 
 class Grouping(torch.nn.Module):
@@ -57,9 +55,7 @@ def main() -> None:
         spec = ltmp.vit_spec(dense)
         x = load_images(dense, "test", args.batch_size).to(device)
         for target in (float(t) for t in args.targets.split(",")):
-            red = ltmp.patch(copy.deepcopy(dense), "ltmp")
-            calibrate(red, load_images(dense, "train", 64), target, device, mode="quantile", iters=12)
-            red.eval()
+            red, _ = calibrated(dense, target, device)
             plans = []
             real = ops.plan_buckets
             ops.plan_buckets = lambda *a, plans=plans, real=real: plans.append(real(*a)) or plans[-1]

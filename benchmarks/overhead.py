@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import copy
 import random
 import statistics
 import time
@@ -17,10 +16,9 @@ import time
 import torch
 
 import ltmp
+from common import at_gmacs, calibrated, load_images, load_model
 from ltmp.bench import compare_models, paired_ratio
-from ltmp.calibrate import calibrate
 from ltmp.reduce import ReduceConfig, TokenState, reduce_step
-from speed import at_gmacs, load_images, load_model
 
 
 def per_call_us(fn, n: int) -> float:
@@ -74,8 +72,7 @@ def main() -> None:
 
     dense = load_model("deit-s")
     spec = ltmp.vit_spec(dense)
-    red = ltmp.patch(copy.deepcopy(dense), "ltmp")
-    calibrate(red, load_images(dense, "train", 16), 0.7, mode="quantile", iters=8)
+    red, _ = calibrated(dense, 0.7)
     singles = [s[None] for s in load_images(dense, "test", 8)]
     g = statistics.mean(float(ltmp.gmacs(spec, (red.eval()(s), ltmp.stats(red).kept)[1])[0]) for s in singles)
     tome = at_gmacs(dense, "tome", g)

@@ -13,7 +13,6 @@ above its kernel time is bound by launching operators, not by the GPU.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 
@@ -22,8 +21,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import ltmp
-from ltmp.calibrate import calibrate
-from speed import at_gmacs, load_images, load_model
+from common import at_gmacs, calibrated, load_images, load_model
 
 
 def main() -> None:
@@ -40,8 +38,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     dense = load_model(args.model).to(device)
     learned = ltmp.METHODS[args.method][1] == "threshold"
-    red = ltmp.patch(copy.deepcopy(dense), args.method if learned else "ltmp")
-    r = calibrate(red, load_images(dense, "train", 64), args.target, device, mode="quantile", iters=12)
+    red, r = calibrated(dense, args.target, device, method=args.method if learned else "ltmp")
     x = load_images(dense, "test", args.forwards * args.batch_size).to(device)
     if not learned:  # a fixed-rate method at LTMP's GMACs on these images
         spec = ltmp.vit_spec(dense)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cifar10_evidence import DATA, MODEL, ROOT, run
+from common import DATA, MODEL, ROOT, run
 from ltmp.significance import holm, mcnemar
 
 STEPS = 50  # optimizer steps of batch 128 per run (6,400 training images), as before issue #16

@@ -49,38 +49,11 @@ import timm
 import torch
 
 import ltmp
-from ltmp import data as ldata
+from common import ROOT, at_gmacs, calibrated, cifar_model_name, load_images, load_model
 from ltmp.bench import _sync, compare_models, paired_ratio
-from ltmp.calibrate import calibrate
-from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
-from ltmp.flops import rate_schedule
 from ltmp.runtime import compile_model, pick_device
 from ltmp.thresholds import set_thresholds, threshold_tensors
 from ltmp.timm_patch import forward_cut
-
-ROOT = Path(__file__).resolve().parents[1]
-SHARED_MODEL = ROOT.parent / "shared" / "models" / "vit-cifar10"
-
-
-def load_model(name: str) -> torch.nn.Module:
-    if name in ("deit-s", "vit-b"):
-        torch.manual_seed(0)
-        arch = {"deit-s": "deit_small_patch16_224", "vit-b": "vit_base_patch16_224"}[name]
-        return timm.create_model(arch, pretrained=False).eval()
-    return timm.create_model(cifar_model_name(), pretrained=True).eval()
-
-
-def cifar_model_name() -> str:
-    return f"local-dir:{SHARED_MODEL}" if SHARED_MODEL.is_dir() else BUNDLED_MODEL
-
-
-def load_images(model: torch.nn.Module, split: str, n: int) -> torch.Tensor:
-    root = ldata.resolve_root(BUNDLED_DATA)
-    _, tf, _ = ldata.transforms_for(model, "none")
-    ds = ldata.ImageFolder(ldata.split_dir(root, split), tf)
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randperm(len(ds), generator=g)[:n].tolist()
-    return torch.stack([ds[i][0] for i in idx])
 
 
 @torch.no_grad()
@@ -93,13 +66,6 @@ def gmacs_of(model, spec, x: torch.Tensor) -> tuple[float, float, list[int]]:
     rec = ltmp.stats(model)
     return float(ltmp.gmacs(spec, rec.kept.cpu()).mean()), ltmp.gmacs_executed(spec, rec.padded), \
         rec.kept[:, -1].tolist()
-
-
-def at_gmacs(dense: torch.nn.Module, method: str, gmacs: float) -> torch.nn.Module:
-    """A fixed-rate method (``tome``, ``topk-prune``, ...) patched onto a copy of ``dense`` with the per-layer
-    schedule whose GMACs come closest to ``gmacs`` (``rate_schedule``), in eval mode."""
-    sched = rate_schedule(ltmp.vit_spec(dense), gmacs, method)
-    return ltmp.patch(copy.deepcopy(dense), method, **{"r" if method == "tome" else "k": sched}).eval()
 
 
 class Cut(torch.nn.Module):
@@ -178,8 +144,7 @@ def run_model(name: str, args, device) -> dict:
     out = {"model": name, "gmacs_dense": g_dense, "batch_size": len(batch), "targets": []}
     print(f"== {name}: dense {g_dense:.4f} GMACs", flush=True)
     for target in args.targets:
-        ltmp_m = ltmp.patch(copy.deepcopy(dense), "ltmp")
-        r = calibrate(ltmp_m, calib, target, device, mode="quantile", iters=12)
+        ltmp_m, r = calibrated(dense, target, device, images=calib)
         g1 = statistics.mean(gmacs_of(ltmp_m, spec, s)[0] for s in singles)
         gb, gb_exec, spread = gmacs_of(ltmp_m, spec, batch)
 

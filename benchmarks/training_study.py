@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cifar10_evidence import DATA, MODEL, ROOT
+from common import DATA, MODEL, ROOT
 
 STEPS = 100
 PAPER = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's

@@ -1,0 +1,75 @@
+"""What the benchmark scripts share: where the shared model and data are, how a script runs ``ltmp``, the models and
+images of the speed studies, and the one training-free calibration recipe they use.
+
+- ``MODEL``, ``DATA``: the CIFAR-10 ViT and CIFAR-10 copy of ``../shared`` (beside the repository).
+- :func:`run`: one ``ltmp`` command in this process, printed first; a failure exits with its code.
+- :func:`load_model`, :func:`load_images`, :func:`at_gmacs`: the speed studies' models (``cifar``, or ``deit-s`` /
+  ``vit-b`` with random weights), bundled images, and fixed-rate baselines at a given GMACs.
+- :func:`calibrated`: LTMP thresholds without training, ``calibrate(mode="quantile")`` on 64 bundled training
+  images (per-layer quantiles that merge a fraction f of set A and prune f/2 of the rest, f bisected to hit
+  r_target).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import timm
+import torch
+
+import ltmp
+from ltmp import data as ldata
+from ltmp.calibrate import calibrate
+from ltmp.cli import main as ltmp_main
+from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
+from ltmp.flops import rate_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_MODEL = ROOT.parent / "shared" / "models" / "vit-cifar10"
+MODEL = f"local-dir:{SHARED_MODEL}"
+DATA = str(ROOT.parent / "shared/data/cifar10/cifar10-jpeg.tar.gz")
+
+
+def run(args: list[str]) -> None:
+    print("$ ltmp " + " ".join(args), flush=True)
+    code = ltmp_main(["--quiet"] + args)
+    if code:
+        raise SystemExit(code)
+
+
+def load_model(name: str) -> torch.nn.Module:
+    if name in ("deit-s", "vit-b"):
+        torch.manual_seed(0)
+        arch = {"deit-s": "deit_small_patch16_224", "vit-b": "vit_base_patch16_224"}[name]
+        return timm.create_model(arch, pretrained=False).eval()
+    return timm.create_model(cifar_model_name(), pretrained=True).eval()
+
+
+def cifar_model_name() -> str:
+    return MODEL if SHARED_MODEL.is_dir() else BUNDLED_MODEL
+
+
+def load_images(model: torch.nn.Module, split: str, n: int) -> torch.Tensor:
+    root = ldata.resolve_root(BUNDLED_DATA)
+    _, tf, _ = ldata.transforms_for(model, "none")
+    ds = ldata.ImageFolder(ldata.split_dir(root, split), tf)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randperm(len(ds), generator=g)[:n].tolist()
+    return torch.stack([ds[i][0] for i in idx])
+
+
+def at_gmacs(dense: torch.nn.Module, method: str, gmacs: float) -> torch.nn.Module:
+    """A fixed-rate method (``tome``, ``topk-prune``, ...) patched onto a copy of ``dense`` with the per-layer
+    schedule whose GMACs come closest to ``gmacs`` (``rate_schedule``), in eval mode."""
+    sched = rate_schedule(ltmp.vit_spec(dense), gmacs, method)
+    return ltmp.patch(copy.deepcopy(dense), method, **{"r" if method == "tome" else "k": sched}).eval()
+
+
+def calibrated(dense: torch.nn.Module, target: float, device: torch.device | str = "cpu", method: str = "ltmp",
+               images: torch.Tensor | None = None) -> tuple[torch.nn.Module, float]:
+    """A copy of ``dense`` patched with ``method`` and thresholds calibrated to ``target`` (the recipe above), in
+    eval mode on ``device``; and the r_FLOPs reached on the calibration images."""
+    model = ltmp.patch(copy.deepcopy(dense), method).to(device)
+    x = load_images(dense, "train", 64) if images is None else images
+    r = calibrate(model, x, target, device, mode="quantile", iters=12)
+    return model.eval(), r
