@@ -13,7 +13,7 @@
 #            (neither compile step is in the default STEPS yet: never run on a GPU; see docs/performance.md)
 # Usage: [STEPS="check speed"] bash benchmarks/gpu.sh OUTDIR   (needs ltmp importable: PYTHONPATH=src:benchmarks)
 # Results go to OUTDIR as they come, so a run cut short still leaves what it finished.
-# How the logs in docs/gpu-run*.log were made, on a machine with torch but another timm and without ../shared:
+# How the logs in results/gpu-run*.log were made, on a machine with torch but another timm and without ../shared:
 #   pip download --no-deps timm==1.0.31 -d .whl; cp -r ../shared/models/vit-cifar10 .gpu/   (here, both carried)
 #   pip install --no-deps --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks
 #   mkdir -p ../shared/models && cp -r .gpu/vit-cifar10 ../shared/models/; STEPS="..." bash benchmarks/gpu.sh $OUT

@@ -27,7 +27,7 @@ memory.
 
 Usage::
 
-    python benchmarks/speed.py                      # both models, writes docs/speed.md and runs/speed.json
+    python benchmarks/speed.py                      # both models, writes docs/speed.md and results/speed.json
     python benchmarks/speed.py --models cifar --quick
 
 Runs unchanged on CUDA (``--device cuda``, the default when one is present). Never in CI. With ``--compile`` every
@@ -281,7 +281,7 @@ def main() -> int:
     p.add_argument("--compile", action="store_true",
                    help="time every model under torch.compile (ratios to the compiled dense model; no bound row)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    p.add_argument("--json", default=str(ROOT / "runs" / "speed.json"))
+    p.add_argument("--json", default=str(ROOT / "results" / "speed.json"))
     p.add_argument("--out", help="write the markdown tables here (e.g. docs/speed.md)")
     p.add_argument("--from-json", help="only rewrite --out from an earlier run's JSON (no timing)")
     args = p.parse_args()
