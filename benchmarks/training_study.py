@@ -15,7 +15,8 @@ and started again:
   paper's budget penalty (eq. 14-15) and with the budget as a constraint (``--budget constraint``, dual ascent).
 - ``procedure``: the ``secant`` form at r_target 0.85 to 0.45, with the paper's SGD and with Adam.
 - ``beyond``: the defaults (``secant``, Adam) with distillation from the unreduced model's logits (``--distill
-  1``) and from a calibrated start (``--calibrate``), at r_target 0.7 and 0.5.
+  1``) and from a calibrated start (``--calibrate``), at r_target 0.7 and 0.5, paired with ``secant-adam``;
+  ``--test`` then evaluates them once on the test set.
 
 Runs go to ``runs/study/<variant>-r<target>``.
 """
@@ -91,14 +92,38 @@ def row(name: str, target: float, folder: Path) -> str | None:
 BASELINE = {"beyond": "secant-adam"}
 
 
-def paired(folder: Path, base: Path) -> str:
-    """top-1 difference to the baseline run and the exact McNemar p on the same held-out images."""
+def paired(folder: Path, base: Path, name: str = "eval.json") -> str:
+    """top-1 difference to the baseline run and the exact McNemar p on the same images (``name``: the held-out
+    ``eval.json`` or the test set's ``test.json``)."""
     from ltmp.significance import mcnemar
 
-    if not (folder / "eval.json").exists() or not (base / "eval.json").exists():
+    if not (folder / name).exists() or not (base / name).exists():
         return "-"
-    a, b = (json.loads((f / "eval.json").read_text()) for f in (folder, base))
+    a, b = (json.loads((f / name).read_text()) for f in (folder, base))
     return f"{a['top1'] - b['top1']:+.2f} (p={mcnemar(a['correct'], b['correct'])['p_value']:.2g})"
+
+
+def test_once(runs: Path, study: str) -> str:
+    """The study's variants and its baseline on the 10,000 test images (``ltmp eval``, kept as ``test.json`` in
+    each run folder, so each is evaluated once), paired with the baseline."""
+    from common import run
+
+    targets, variants = STUDIES[study]
+    base = BASELINE[study]
+    lines = [f"### {study}: test set (10,000 images)", "", f"| variant | r_target | test r_FLOPs | test top-1 | "
+             f"top-1 - {base} (p) |", "|---|---|---|---|---|"]
+    for target in targets:
+        for name in (base, *variants):
+            folder = runs / f"{name}-r{target}"
+            if not (folder / "thresholds.safetensors").exists():
+                continue
+            if not (folder / "test.json").exists():
+                run(["eval", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
+                     "--thresholds", str(folder / "thresholds.safetensors"), "--json", str(folder / "test.json")])
+            ev = json.loads((folder / "test.json").read_text())
+            vs = "-" if name == base else paired(folder, runs / f"{base}-r{target}", "test.json")
+            lines.append(f"| {name} | {target} | {ev['r_flops']:.3f} | {ev['top1']:.2f} | {vs} |")
+    return "\n".join(lines)
 
 
 def table(runs: Path, study: str) -> str:
@@ -122,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("studies", nargs="+", choices=sorted(STUDIES))
     ap.add_argument("--runs", default=str(ROOT / "runs" / "study"))
     ap.add_argument("--table", action="store_true", help="only print the tables of finished runs")
+    ap.add_argument("--test", action="store_true", help="then evaluate the study's variants and baseline on the "
+                    "test set, once (studies with a baseline: " + ", ".join(BASELINE) + ")")
     args = ap.parse_args(argv)
     runs = Path(args.runs)
     for study in args.studies:
@@ -131,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name, extra in variants.items():
                     train(runs / f"{name}-r{target}", target, extra)
         print(table(runs, study) + "\n", flush=True)
+        if args.test and study in BASELINE:
+            print(test_once(runs, study) + "\n", flush=True)
     return 0
 
 
