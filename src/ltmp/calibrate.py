@@ -11,6 +11,7 @@ from . import data as ldata
 from .errors import LtmpError
 from .record import r_flops
 from .runtime import amp_context
+from .timm_patch import score_ranges
 
 
 def calibration_batch(model: nn.Module, root: str | os.PathLike, n: int, seed: int,
@@ -121,10 +122,7 @@ def settle(model: nn.Module, images: torch.Tensor, r_target: float, device: torc
         return out
     params = merge or prune
     base = [p.detach().clone() for p in params]
-    # the scores' ranges, as training keeps them: cosine similarity in [-1, 1], importance in [0, 1] (eq. 17) or
-    # [0, heads] (class attention summed over heads, eq. 16)
-    top = 1.0 if merge or model.ltmp_config.importance == "mean" else float(model.blocks[0].attn.num_heads)
-    low = -1.0 if merge else 0.0
+    low, top = score_ranges(model)["merge_threshold" if merge else "prune_threshold"]  # as training keeps them
     span = top - low
 
     def r_at(shift: float) -> float:

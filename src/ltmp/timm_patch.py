@@ -466,6 +466,14 @@ def forward_cut(model: nn.Module, x: Tensor, counts: Sequence[int]) -> Tensor:
     return model.forward_head(model.norm(x))
 
 
+def score_ranges(model: nn.Module) -> dict[str, tuple[float, float]]:
+    """The range of the scores each kind of threshold compares: cosine similarities in [-1, 1] for merge
+    thresholds; importance in [0, 1] (mean column attention, eq. 17) or [0, heads] (class attention summed over
+    heads, eq. 16) for prune thresholds."""
+    heads = float(model.blocks[0].attn.num_heads) if model.ltmp_config.importance == "cls" else 1.0
+    return {"merge_threshold": (-1.0, 1.0), "prune_threshold": (0.0, heads)}
+
+
 def mlp_hidden(model: nn.Module) -> int:
     """h of eq. 11: the MLP's hidden width (timm's ``Mlp.fc1``; 4d otherwise)."""
     mlp = model.blocks[0].mlp

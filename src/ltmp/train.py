@@ -30,7 +30,7 @@ from .record import mean_r_flops, stats
 from .reduce import LEARNED
 from .runtime import amp_context, amp_dtype, compile_model, create_model, pick_device
 from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
-from .timm_patch import THRESHOLD_NAMES, patch
+from .timm_patch import THRESHOLD_NAMES, patch, score_ranges
 
 
 class TrainError(LtmpError):
@@ -492,12 +492,10 @@ def project_thresholds(model: nn.Module, merge: list[nn.Parameter], prune: list[
     or [0, heads] (class attention summed over heads, eq. 16). Outside, every score falls on one side and the
     sigmoid surrogate (eq. 2) passes almost no gradient, so one large step (an attention sink's gradient, eq. 6)
     would switch a block's merging or pruning off or on for good."""
-    cfg = model.ltmp_config
-    top = float(model.blocks[0].attn.num_heads) if cfg.importance == "cls" else 1.0
-    for p in merge:
-        p.clamp_(-1.0, 1.0)
-    for p in prune:
-        p.clamp_(0.0, top)
+    ranges = score_ranges(model)
+    for kind, params in (("merge_threshold", merge), ("prune_threshold", prune)):
+        for p in params:
+            p.clamp_(*ranges[kind])
 
 
 #: Training stops when a block has removed every patch token of every image for this many steps in a row (fewer
