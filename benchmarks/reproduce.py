@@ -1,6 +1,7 @@
 """Reproduce the paper's claims at small scale (issue #7): every run, table and plot of docs/results.md.
 
     python benchmarks/reproduce.py [--runs runs/results] [--hours H] [--doc docs/results.md]
+    python benchmarks/reproduce.py --render     # the document again from results/reproduce.json, running nothing
 
 Model: the CIFAR-10 ViT of ../shared/models (stand-in for the paper's ImageNet ViTs); data: the shared CIFAR-10
 copy; every accuracy is on its 10,000 test images, every paired test an exact McNemar test on the same images.
@@ -10,6 +11,11 @@ done (written atomically by ``ltmp``) and skipped next time; an interrupted trai
 ``--hours H`` starts no new job after H hours; the document is then written from what exists, with "pending" for
 the rest (a failed command is reported and left pending too). Order: claims 1 and 7, 2, 3, 4, 6, then 5 (seeds
 at the outer targets first).
+
+Raw results: every number the document shows comes from ``RAW`` (``results/reproduce.json``, committed): each test
+evaluation (top-1, r_FLOPs, GMACs, per-layer counts, per-image correctness packed as hex), the thresholds logged at
+the first and last training step, the per-layer distributions and the convergence evaluations. A run rewrites it
+from the runs folder and renders the document from it; ``--render`` renders from it alone.
 
 The recipe: the paper's loss, batch 128, tau 0.1, lambda 10, frozen backbone, ``STEPS`` optimizer steps instead of
 one epoch (claim 6) and ``ltmp train``'s defaults (``DEFAULT``: Adam, secant mask gradient, thresholds starting
@@ -30,6 +36,7 @@ import torch
 
 from common import DATA, MODEL, ROOT, run
 from ltmp.significance import holm, mcnemar
+from ltmp.thresholds import atomic_write
 
 STEPS = 50  # optimizer steps of batch 128 per run (6,400 training images), as before issue #16
 EPOCH_STEPS = 382  # one epoch of the 49,000 training images left after the 2% hold-out
@@ -42,24 +49,42 @@ ABLATION_TARGETS = (0.65, 0.5)  # claims 2-3 (Tables 4-5: DeiT-S at 3.0G and 2.3
 SEED_TARGETS = (0.8, 0.6, 0.55, 0.45)  # claim 5 (Appendix B: 0.80, 0.62, 0.55, 0.45)
 SEEDS = 3
 BEFORE = ROOT / "results/reproduce-before-16.json"  # the same tables with the training signal before #16
+RAW = ROOT / "results/reproduce.json"  # the raw results this document is rendered from
+QUANTILE_TARGETS = (0.7, 0.5)  # claim 7: per-layer quantile calibration as well
 TOPK = {"ltp": "topk-prune", "ltm": "tome", "ltmp": "topk-mp"}  # learned method -> top-k counterpart (Table 5)
 
 
 class Jobs:
     """Training runs and evaluations, each done once and kept; a job past the deadline is left pending."""
 
-    def __init__(self, root: Path, hours: float | None):
+    def __init__(self, root: Path, hours: float | None, saved: dict | None = None):
         self.root = root
         self.deadline = None if hours is None else time.time() + 3600 * hours
+        self.saved = saved  # --render: the results of RAW; nothing runs
         self.pending: set[str] = set()  # jobs not started (deadline) or failed
         self.failed: list[str] = []
+        self.raw: dict[str, object] = {}  # what the document uses, by key ("eval/NAME", "log/NAME", ...)
+        self.machine = (saved or {}).get("machine") or (
+            f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}")
 
     def _late(self, name: str) -> bool:
-        """Past the deadline: the job stays pending."""
-        if self.deadline is not None and time.time() > self.deadline:
+        """Past the deadline, or rendering only: the job stays pending."""
+        if self.saved is not None or (self.deadline is not None and time.time() > self.deadline):
             self.pending.add(name)
             return True
         return False
+
+    def _keep(self, key: str, load) -> object:
+        """The raw result ``key``: from RAW when rendering, else ``load()`` (from the runs folder); kept for RAW."""
+        if self.saved is not None:
+            if key not in self.saved["results"]:
+                self.pending.add(key)
+                return None
+            value = self.saved["results"][key]
+        else:
+            value = load()
+        self.raw[key] = value
+        return value
 
     def _do(self, name: str, args: list[str]) -> bool:
         """Run one ``ltmp`` command unless past the deadline; False leaves the job pending."""
@@ -82,19 +107,20 @@ class Jobs:
 
     def evaluate(self, name: str, *extra: str) -> dict | None:
         out = self.root / "test" / f"{name}.json"
-        if not out.exists():
+        if self.saved is None and not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             if not self._do(f"eval {name}", ["eval", "--model", MODEL, "--pretrained", "--data-dir", DATA,
                                                "--val-split", "test", "--json", str(out), *extra]):
                 return None
-        return json.loads(out.read_text())
+        r = self._keep(f"eval/{name}", lambda: compact(json.loads(out.read_text())))
+        return None if r is None else dict(r, correct=unpack(r["correct"]), name=name)
 
     def trained(self, method: str, target: float, importance: str = "mean", seed: int = 0,
                 steps: int = STEPS) -> dict | None:
         """Train thresholds (``ltmp train``) and evaluate them on the test set."""
         name = f"{method}-{importance}-r{target}-s{seed}-n{steps}"
         folder = self.root / "train" / name
-        if not (self.root / "test" / f"{name}.json").exists():
+        if self.saved is None and not (self.root / "test" / f"{name}.json").exists():
             if not (folder / "thresholds.safetensors").exists() and not self._train(
                     f"train {name}", folder, target, "--method", method, "--importance", importance, "--seed",
                     str(seed), "--steps", str(steps), "--no-eval", *RECIPE):
@@ -102,7 +128,8 @@ class Jobs:
                 return None
         result = self.evaluate(name, "--thresholds", str(folder / "thresholds.safetensors"))
         if result is not None:
-            result["name"], result["folder"] = name, str(folder)
+            result["folder"] = str(folder)
+            result["log"] = self._keep(f"log/{name}", lambda: first_last(folder / "log.jsonl"))
         return result
 
     def matched(self, method: str, other: dict | None) -> dict | None:
@@ -113,16 +140,17 @@ class Jobs:
         return self.evaluate(f"{method}-match-{other['name']}", "--method", method, "--match",
                              str(self.root / "test" / f"{other['name']}.json"))
 
-    def calibrated(self, target: float) -> dict | None:
-        """Training-free thresholds (``ltmp calibrate --mode shared``), claim 7."""
-        path = self.root / "calib" / f"shared-r{target}.safetensors"
-        if not path.exists():
+    def calibrated(self, target: float, mode: str = "shared") -> dict | None:
+        """Training-free thresholds (``ltmp calibrate --mode MODE``), claim 7."""
+        path = self.root / "calib" / f"{mode}-r{target}.safetensors"
+        name = f"calibrated-r{target}" if mode == "shared" else f"calibrated-{mode}-r{target}"
+        if self.saved is None and not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            if not self._do(f"calibrate r{target}", ["calibrate", "--model", MODEL, "--pretrained", "--data-dir", DATA,
-                                                     "--r-target", str(target), "--mode", "shared", "--output",
-                                                     str(path)]):
+            if not self._do(f"calibrate {mode} r{target}", [
+                    "calibrate", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--r-target", str(target),
+                    "--mode", mode, "--output", str(path)]):
                 return None
-        return self.evaluate(f"calibrated-r{target}", "--thresholds", str(path))
+        return self.evaluate(name, "--thresholds", str(path))
 
     def analyze(self, result: dict | None) -> dict | None:
         """Per-image merged/pruned counts per layer (``ltmp analyze``, Figures 5-6) on all 10,000 test images."""
@@ -130,12 +158,13 @@ class Jobs:
             self.pending.add("analyze")
             return None
         out = self.root / "analyze" / result["name"]
-        if not (out / "layers.json").exists() and not self._do(f"analyze {result['name']}", [
+        if self.saved is None and not (out / "layers.json").exists() and not self._do(f"analyze {result['name']}", [
                 "analyze", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
                 "--thresholds", str(Path(result["folder"]) / "thresholds.safetensors"), "--max-images", "10000",
                 "--kendall-k", "2", "--output", str(out)]):
             return None
-        return {**json.loads((out / "layers.json").read_text()), "png": out / "layers.png"}
+        layers = self._keep(f"analyze/{result['name']}", lambda: json.loads((out / "layers.json").read_text()))
+        return None if layers is None else {"layers": layers, "png": out / "layers.png"}
 
     def convergence(self, result: dict | None, steps: str = "0,10,25,50,100,200,last") -> list[dict] | None:
         """Test accuracy and r_FLOPs of the thresholds logged along one long run (claim 6)."""
@@ -143,13 +172,36 @@ class Jobs:
             self.pending.add("convergence")
             return None
         out = self.root / "convergence" / f"{result['name']}.json"
-        if not out.exists():
+        if self.saved is None and not out.exists():
             if self._late("convergence"):
                 return None
             import convergence
 
             convergence.main([result["folder"], "--steps", steps, "--out", str(out)])
-        return json.loads(out.read_text())
+        return self._keep(f"convergence/{result['name']}", lambda: json.loads(out.read_text()))
+
+
+def compact(result: dict) -> dict:
+    """What the document uses of one ``ltmp eval --json`` result, with the per-image correctness ('0'/'1' per
+    test image) packed into hex."""
+    keep = {k: result[k] for k in ("method", "top1", "r_flops", "gmacs", "gmacs_dense", "images")}
+    keep["per_layer"] = [{k: round(x[k], 4) for k in ("merged", "pruned")} for x in result["per_layer"]]
+    keep["correct"] = f"{len(result['correct'])}:{int('1' + result['correct'], 2):x}"  # leading 1 keeps zeros
+    return keep
+
+
+def unpack(packed: str) -> str:
+    """The '0'/'1' string that :func:`compact` packed."""
+    n, value = packed.split(":")
+    bits = bin(int(value, 16))[3:]
+    assert len(bits) == int(n), "corrupt correctness record"
+    return bits
+
+
+def first_last(log: Path) -> list[dict]:
+    """The step number and thresholds of the first and last records of a training log."""
+    recs = [json.loads(line) for line in log.read_text().splitlines() if line]
+    return [{k: rec[k] for k in ("step", "merge", "prune")} for rec in (recs[0], recs[-1])]
 
 
 # ------------------------------------------------------------------------------------------------------ formatting
@@ -174,25 +226,9 @@ def rf(r: dict | None) -> str:
     return "pending" if r is None else f"{r['r_flops']:.3f}"
 
 
-def tables(md: str) -> dict[str, list[dict[str, str]]]:
-    """The tables of a results document: section ("Summary", "1", ..., "Recipe notes") -> rows (header -> cell).
-    ``results/reproduce.json`` is this of the document written here; ``BEFORE`` is this of the one before #16."""
-    out: dict[str, list[dict[str, str]]] = {}
-    section, header = "", None
-    for line in md.splitlines():
-        if line.startswith("## "):
-            section, header = line[3:].split(".")[0] if line[3].isdigit() else line[3:], None
-        elif not line.startswith("|"):
-            header = None
-        elif header is None:
-            header = [c.strip() for c in line.strip("|").split("|")]
-        elif not set(line) <= set("|-: "):
-            out.setdefault(section, []).append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
-    return out
-
-
 class Before:
-    """Cells of the tables written before issue #16 (old training signal), looked up by row key."""
+    """Cells of the tables written before issue #16 (old training signal), looked up by row key; BEFORE holds
+    them as section -> rows (header -> cell), parsed from that document."""
 
     def __init__(self, path: Path):
         self.data = json.loads(path.read_text()) if path.exists() else {"tables": {}, "lines": {}}
@@ -266,8 +302,14 @@ def main() -> None:
     ap.add_argument("--runs", default=str(ROOT / "runs/results"))
     ap.add_argument("--doc", default=str(ROOT / "docs/results.md"))
     ap.add_argument("--hours", type=float, help="start no new job after this many hours; the rest stays pending")
+    ap.add_argument("--render", action="store_true", help=f"write the document from {RAW.relative_to(ROOT)} alone")
     args = ap.parse_args()
-    jobs = Jobs(Path(args.runs) / RECIPE_NAME, args.hours)  # a new recipe starts afresh
+    saved = None
+    if args.render:
+        saved = json.loads(RAW.read_text())
+        if saved.get("recipe") != RECIPE_NAME:
+            raise SystemExit(f"{RAW} holds recipe {saved.get('recipe')!r}, not {RECIPE_NAME!r}: run without --render")
+    jobs = Jobs(Path(args.runs) / RECIPE_NAME, args.hours, saved)  # a new recipe starts afresh
     img = Path(args.doc).parent / "img"
     img.mkdir(parents=True, exist_ok=True)
 
@@ -277,6 +319,7 @@ def main() -> None:
     for t in TARGETS:
         lt = jobs.trained("ltmp", t)
         c1[t] = (lt, jobs.matched("tome", lt), jobs.calibrated(t))
+    c7 = {t: jobs.calibrated(t, "quantile") for t in QUANTILE_TARGETS}
     # claim 2: learned thresholds against top-k at matching GMACs, for pruning, merging and both
     c2 = {(m, t): (lt := jobs.trained(m, t), jobs.matched(TOPK[m], lt)) for t in ABLATION_TARGETS for m in TOPK}
     # claim 3: class attention against mean column attention (LTP, as in Table 4); LTPM against LTMP
@@ -295,7 +338,11 @@ def main() -> None:
         lt = jobs.trained("ltmp", t, seed=s)
         c5[(s, t)] = (lt, jobs.matched("tome", lt))
 
-    write_doc(Path(args.doc), img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run)
+    write_doc(Path(args.doc), img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run)
+    if saved is None:
+        raw = {"source": "benchmarks/reproduce.py", "recipe": RECIPE_NAME, "machine": jobs.machine,
+               "pending": sorted(jobs.pending), "failed": jobs.failed, "results": dict(sorted(jobs.raw.items()))}
+        atomic_write(RAW, lambda tmp: Path(tmp).write_text(json.dumps(raw, indent=0) + "\n"))
 
 
 def tally(S: list[tuple[str, str, str, str]], was: Before) -> str:
@@ -311,7 +358,7 @@ def tally(S: list[tuple[str, str, str, str]], was: Before) -> str:
             f"{count([was.summary(c)[1] for c, *_ in S])}.")
 
 
-def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
+def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run) -> None:
     from ltmp.viz import plot_pareto
 
     points = [dict(r, method=label) for t in TARGETS for label, r in zip(("ltmp", "tome", "ltmp calibrated"), c1[t])
@@ -323,19 +370,21 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
     if split:
         plot_layer_split(split, img / "results-layers.png")
     for m, a in c4.items():
-        if a is not None:
+        if a is not None and a["png"].exists():  # not when rendering from RAW: the committed picture stays
             shutil.copyfile(a["png"], img / f"results-layers-{m}.png")
 
     was = Before(BEFORE)
-    status = "All jobs done." if not jobs.pending else (
-        f"{len(jobs.pending)} jobs (and what depends on them) are still pending"
-        + (f", {len(jobs.failed)} of them failed ({', '.join(jobs.failed)})" if jobs.failed else "")
+    pending, failed = (jobs.pending, jobs.failed) if jobs.saved is None else (jobs.saved["pending"],
+                                                                               jobs.saved["failed"])
+    status = "All jobs done." if not pending else (
+        f"{len(pending)} jobs (and what depends on them) are still pending"
+        + (f", {len(failed)} of them failed ({', '.join(failed)})" if failed else "")
         + ": run the script again to fill them in.")
     L = [
         "# Reproducing the paper at small scale",
         "",
         "Produced by `python benchmarks/reproduce.py` (resumable; `--hours H` to spread it over sessions). "
-        f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}. "
+        f"Machine: {jobs.machine}. Raw results: `results/reproduce.json`. "
         "Model: the CIFAR-10 ViT of `../shared/models` (12 blocks, 65 tokens"
         + (f", {dense['gmacs_dense']:.4f} GMACs" if dense else "") + ") in place of the paper's ImageNet DeiTs; "
         "accuracy on the 10,000 CIFAR-10 test images; paired tests are exact McNemar tests on those images, so "
@@ -344,8 +393,9 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
         "",
         "## Recipe",
         "",
-        "The paper's loss (eq. 15), batch 128, tau 0.1, lambda 10, frozen backbone, light augmentation, 2% of "
-        f"train held out (as in [cifar10.md](cifar10.md)), **{STEPS} steps** ({STEPS * 128:,} images) instead of "
+        "The paper's loss (eq. 15), batch 128, tau 0.1, lambda 10, frozen backbone, light augmentation "
+        "([training.md](training.md#augmentation-use---augment-light-on-small-images)), 2% of train held out "
+        f"as in the paper, **{STEPS} steps** ({STEPS * 128:,} images) instead of "
         "one epoch (claim 6), and `ltmp train`'s defaults since issue #16: eq. 3 as the paper's case rule, Adam "
         "(lr 2e-3 merge, 2e-4 prune), merge thresholds starting at 1.0 (no reduction at step 0), the secant form "
         f"of eq. 6's mask gradient (`{' '.join(DEFAULT)}`). Before #16: SGD, prune lr 3e-4, merge init 1.0, eq. 3 "
@@ -453,11 +503,11 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
                   f"early {early[0]:.1f} merged / {early[1]:.1f} pruned, late {late[0]:.1f} / {late[1]:.1f}",
                   "agrees" if early[0] > early[1] and late[1] > late[0] else
                   ("partly: merging dominates early" if early[0] > early[1] else "disagrees")))
-        log = [json.loads(line) for line in (Path(lt["folder"]) / "log.jsonl").read_text().splitlines() if line]
+        log = lt["log"]
         L.append("Thresholds of LTMP r_target 0.5 (blocks 1 / 6 / 12, from its log.jsonl): " + "; ".join(
             f"after step {rec['step']}: merge " + " / ".join(f"{rec['merge'][b]:.3f}" for b in (0, half - 1, -1))
             + ", prune " + " / ".join(f"{rec['prune'][b]:.4f}" for b in (0, half - 1, -1))
-            for rec in (log[0], log[-1])) + ".\n")
+            for rec in log) + ".\n")
         L.append(f"LTMP r_target 0.5: layers 1-{half} merge {early[0]:.1f} and prune {early[1]:.1f} tokens per "
                  f"image; layers {half + 1}-{2 * half} merge {late[0]:.1f} and prune {late[1]:.1f}. Paper (DeiT-S, "
                  "r_FLOPs 0.5): merging dominates the early layers, pruning the late ones.")
@@ -511,21 +561,23 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
                      f"epoch: top-1 {short['top1']:.2f} vs {long_run['top1']:.2f}, r_FLOPs {short['r_flops']:.3f} "
                      f"vs {long_run['r_flops']:.3f}; {STEPS} steps - epoch {paired(short, long_run)}.")
             L += [f"\nBefore #16: {line}" for line in was.data["lines"].get("6", [])]
-        L.append("\nFor reference, before #16 the paper's own recipe (1 epoch, merge init 0.9, prune lr 5e-6, "
-                 "which pruned nothing on this model) reached its one-epoch result within 0.25 points after 25-50 "
-                 "steps: "
-                 "[training.md](training.md#budget-does-one-epoch-reach-the-target). Paper: one epoch of ImageNet "
-                 "(about 10,000 steps); no study of fewer.")
+        L.append("\nThe paper's own recipe before #16 (1 epoch, merge init 0.9, prune lr 5e-6), evaluated the "
+                 "same way: [training.md](training.md#how-many-training-images-are-needed-issue-7-claim-6). Paper: "
+                 "one epoch of ImageNet (about 10,000 steps); no study of fewer.")
     # claim 7
     L += ["", "## 7. Beyond the paper: training-free calibration", "",
           "`ltmp calibrate --mode shared`: one merge threshold for all blocks, bisected on 256 training images to "
-          "hit r_target, no training; against the trained LTMP run of claim 1.", "",
+          "hit r_target, no training; `--mode quantile` (at r_target " + " and ".join(map(str, QUANTILE_TARGETS))
+          + "): per-layer thresholds that merge a fraction f of each layer's set-A tokens and prune f/2 of the "
+          "rest, f bisected. Both against the trained LTMP run of claim 1.", "",
           "| r_target | calibrated r_FLOPs | calibrated top-1 | trained r_FLOPs | trained top-1 | "
-          "calibrated - trained (p) | before #16: trained top-1 | before #16: calibrated - trained |",
-          "|---|---|---|---|---|---|---|---|"]
+          "calibrated - trained (p) | quantile: r_FLOPs, top-1 | quantile - trained (p) | before #16: trained "
+          "top-1 | before #16: calibrated - trained |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for t in TARGETS:
         lt, _, cal = c1[t]
-        L.append(f"| {t} | {rf(cal)} | {top1(cal)} | {rf(lt)} | {top1(lt)} | {paired(cal, lt)} | "
+        q = f"{rf(c7[t])}, {top1(c7[t])} | {paired(c7[t], lt)}" if t in c7 else "- | -"
+        L.append(f"| {t} | {rf(cal)} | {top1(cal)} | {rf(lt)} | {top1(lt)} | {paired(cal, lt)} | {q} | "
                  f"{was.cell('7', 'trained top-1', r_target=t)} | "
                  f"{was.cell('7', 'calibrated - trained (p)', r_target=t)} |")
     cal = [(c1[t][2], c1[t][0]) for t in TARGETS if c1[t][2] is not None and c1[t][0] is not None]
@@ -536,7 +588,7 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
                   f"{sum(p < 0.05 and a['top1'] > b['top1'] for (a, b), p in zip(cal, ps))} significantly; "
                   f"{sum(p < 0.05 and a['top1'] < b['top1'] for (a, b), p in zip(cal, ps))} significantly below",
                   "-"))
-    L += ["", "More (per-layer quantiles; the paper's recipe as reference): [calibration.md](calibration.md)."]
+    L += ["", "How the modes work and when to use them: [calibration.md](calibration.md)."]
     head = L.index("## Recipe")
     L[head:head] = ["## Summary", "", "Differences in top-1 points (ours: McNemar p on 10,000 test images). Before "
                     f"#16: the same claims with the training signal before issue #16 ({was.data.get('source', '-')})."
@@ -545,12 +597,8 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, long_run) -> None:
         f"| {c} | {pa} | {o} | {v} | {' | '.join(was.summary(c))} |" for c, pa, o, v in S] + [""] + [
         tally(S, was), ""]
     text = "\n".join(L) + "\n"
-    doc.write_text(text)
-    raw = ROOT / "results" / "reproduce.json"
-    raw.parent.mkdir(exist_ok=True)
-    raw.write_text(json.dumps({"source": f"{doc.name}, written by benchmarks/reproduce.py (recipe {RECIPE_NAME})",
-                               "tables": tables(text)}, indent=1) + "\n")
-    print("\n".join(L))
+    atomic_write(doc, lambda tmp: Path(tmp).write_text(text))
+    print(text, end="")
 
 
 if __name__ == "__main__":
