@@ -25,9 +25,10 @@ from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
 from ltmp.flops import rate_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_MODEL = ROOT.parent / "shared" / "models" / "vit-cifar10"
+SHARED = ROOT.parent / "shared"
+SHARED_MODEL = SHARED / "models" / "vit-cifar10"
 MODEL = f"local-dir:{SHARED_MODEL}"
-DATA = str(ROOT.parent / "shared/data/cifar10/cifar10-jpeg.tar.gz")
+DATA = str(SHARED / "data/cifar10/cifar10-jpeg.tar.gz")
 
 
 def run(args: list[str]) -> None:

@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when tests load this file by path
+from common import DATA, SHARED, SHARED_MODEL  # noqa: E402
+
 REFERENCE = SHARED / "reference" / "official-gradients.json"
-MODEL = SHARED / "models" / "vit-cifar10"
-ARCHIVE = SHARED / "data" / "cifar10" / "cifar10-jpeg.tar.gz"
+MODEL = SHARED_MODEL
+ARCHIVE = Path(DATA)
 LAMBDA = 10.0
 
 

@@ -1,9 +1,9 @@
 """Does running attention in groups of similar token counts pay off? Batched eval, one run, interleaved rounds.
 
 For each model and r_target (LTMP thresholds calibrated as in benchmarks/speed.py), times at batch 32: the dense
-model, LTMP with attention on the whole padded batch (``timm_patch.MAX_BUCKETS = 1``), LTMP with attention in up
-to 4 groups (the default; ``ltmp.ops.plan_buckets``), and ToMe at LTMP's mean GMACs. Prints time ratios to dense
-and the groups planned per block.
+model, LTMP with attention on the whole padded batch (``ltmp_config.execution.max_buckets = 1``), LTMP with
+attention in up to 4 groups (the default; ``ltmp.ops.plan_buckets``), and ToMe at LTMP's mean GMACs. Prints time
+ratios to dense and the groups planned per block.
 
     python benchmarks/grouping.py                   # deit-s and cifar, r_target 0.7 and 0.5 (about 5 minutes)
     python benchmarks/grouping.py --models deit-s --targets 0.5
@@ -17,7 +17,7 @@ import torch
 
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model
-from ltmp import ops, timm_patch
+from ltmp import ops
 from ltmp.bench import compare_models, paired_ratio
 
 
@@ -29,7 +29,7 @@ class Grouping(torch.nn.Module):
         self.model, self.max_buckets = model, max_buckets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        timm_patch.MAX_BUCKETS = self.max_buckets
+        self.model.ltmp_config.execution.max_buckets = self.max_buckets
         return self.model(x)
 
 
@@ -42,20 +42,22 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--device", default="cpu")
     p.add_argument("--group-macs", type=float,
-                   help="fixed cost of a group on this device (timm_patch.GROUP_MACS); needed on GPUs, where "
+                   help="fixed cost of a group on this device (ltmp.Execution.group_macs); needed on GPUs, where "
                         "grouping is off by default")
     args = p.parse_args()
     device = torch.device(args.device)
+    execution = ltmp.Execution()
     if args.group_macs is not None:
-        timm_patch.GROUP_MACS[device.type] = args.group_macs
-    print(f"device {device}, group cost {timm_patch.GROUP_MACS.get(device.type)} MACs", flush=True)
-    default = timm_patch.MAX_BUCKETS
+        execution.group_macs[device.type] = args.group_macs
+    print(f"device {device}, group cost {execution.group_macs.get(device.type)} MACs", flush=True)
+    default = execution.max_buckets
     for name in args.models.split(","):
         dense = load_model(name).to(device)
         spec = ltmp.vit_spec(dense)
         x = load_images(dense, "test", args.batch_size).to(device)
         for target in (float(t) for t in args.targets.split(",")):
             red, _ = calibrated(dense, target, device)
+            red.ltmp_config.execution = execution
             plans = []
             real = ops.plan_buckets
             ops.plan_buckets = lambda *a, plans=plans, real=real: plans.append(real(*a)) or plans[-1]
@@ -69,7 +71,7 @@ def main() -> None:
             models = {"dense": dense, "ltmp, whole batch": Grouping(red, 1), f"ltmp, <= {default} groups":
                       Grouping(red, default), "tome (mean GMACs)": tome}
             t = compare_models(models, [x], warmup=1, reps=1, rounds=args.rounds)
-            timm_patch.MAX_BUCKETS = default
+            execution.max_buckets = default
             groups = [0 if p is None else len(p) for p in plans]
             print(f"== {name} r_target {target}: GMACs ratio {g / ltmp.dense_gmacs(spec):.3f}, executed "
                   f"{ltmp.gmacs_executed(spec, rec.padded) / ltmp.dense_gmacs(spec):.3f}; groups per block "

@@ -1,7 +1,9 @@
 """Where does a reduced forward spend its time? torch.profiler over batch-1 (or batch-N) eval forwards.
 
-Prints the operators by self CPU time and the number of operator calls per forward, for the dense model and for
-LTMP with thresholds calibrated to ``--target`` (as in benchmarks/speed.py).
+Prints the operators by self CPU time, the number of aten operator calls and of host synchronisations
+(``ltmp.runtime.HostSyncs``) per forward, for the dense model and for LTMP with thresholds calibrated to
+``--target`` (as in benchmarks/speed.py), or a fixed-rate ``--method`` at LTMP's GMACs. ``--summary`` prints one
+line per model instead of the operator tables.
 
     python benchmarks/profile_step.py --model cifar --target 0.7
     python benchmarks/profile_step.py --model deit-s --batch-size 32
@@ -22,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model
+from ltmp.runtime import HostSyncs
 
 
 def main() -> None:
@@ -33,6 +36,7 @@ def main() -> None:
     p.add_argument("--forwards", type=int, default=8)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--summary", action="store_true", help="no operator tables")
     args = p.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -63,6 +67,9 @@ def main() -> None:
                     torch.cuda.synchronize(device)
                 walls.append((time.perf_counter() - t) / args.forwards)
             wall = statistics.median(walls)
+            with HostSyncs() as syncs:
+                for b in batches:
+                    m(b)
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=acts) as prof:
                 for b in batches:
@@ -78,8 +85,11 @@ def main() -> None:
             kernels = f", {dev_us / 1e3 / args.forwards:.2f} ms of GPU kernels"
         print(f"\n== {name}: {1000 * wall:.2f} ms wall per forward (unprofiled){kernels}, "
               f"{total / 1e3 / args.forwards:.2f} ms self CPU, "
-              f"{calls / args.forwards:.0f} aten operator calls per forward")
-        print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.rows))
+              f"{calls / args.forwards:.0f} aten operator calls and {syncs.count / args.forwards:g} host "
+              f"synchronisations per forward" + (f" ({syncs.calls})" if syncs.calls else ""))
+        if not args.summary:
+            print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                               row_limit=args.rows))
 
 
 if __name__ == "__main__":

@@ -161,8 +161,8 @@ def run_model(name: str, args, device) -> dict:
             elif not args.compile:  # the bound looks its counts up by input address: eager only
                 ms["bound"] = Cut(dense, {s.data_ptr(): kept_counts(ltmp_m, spec, s) for s in singles})
             timed = ms
-            if args.compile:  # every model alike: dense with static shapes, reduced ones with dynamic shapes
-                timed = {k: compile_model(m, dynamic=k != "dense") for k, m in ms.items()}
+            if args.compile:  # every model as --compile compiles it (ltmp.runtime.compile_model)
+                timed = {k: compile_model(m, device) for k, m in ms.items()}
             t = compare_models(timed, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
             res = {}
             for k, m in ms.items():
@@ -191,7 +191,7 @@ def run_model(name: str, args, device) -> dict:
     xt = batch[:args.train_batch]
     timed = {"timm": plain, "ltmp-train": patched}
     if args.compile:
-        timed = {k: compile_model(m, dynamic=False) for k, m in timed.items()}
+        timed = {k: compile_model(m, device, train=True) for k, m in timed.items()}
     tt = train_step_time(timed, xt, reps=args.train_reps, rounds=args.train_rounds)
     mem = {}
     for k, m in (("timm", plain), ("ltmp-train", patched)):
@@ -218,7 +218,7 @@ def run_model(name: str, args, device) -> dict:
 def markdown(result: dict) -> str:
     env = result["env"]
     amp = (", bf16 autocast" if env.get("amp") else "") + (
-        ", every model under torch.compile (dense: static shapes, reduced: dynamic)" if env.get("compiled") else "")
+        ", every model under torch.compile as `--compile` does" if env.get("compiled") else "")
     cmd = result["command"].split()  # runs before "singles" was recorded: from the command line
     singles = result.get("singles", int(cmd[cmd.index("--singles") + 1]) if "--singles" in cmd else 8)
     lines = [f"Measured on: {env['device_name']}{amp}, torch {env['torch']}, timm {env['timm']}. Produced by "

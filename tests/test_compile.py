@@ -20,13 +20,11 @@ pytestmark = [pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs to
 
 @pytest.mark.parametrize("name, method, batch", [
     ("cls", "ltmp", 1), ("cls", "ltmp", 4), ("registers", "ltmp", 4), ("no-cls-avg", "ltpm", 4),
-    ("cls", "tome", 4),
 ])
 def test_compiled_eval_matches_eager_and_stops_recompiling(name, method, batch):
     torch._dynamo.reset()
     counters.clear()
-    kw = dict(r=[8, 6, 4]) if method == "tome" else THRESHOLDS
-    model = ltmp.patch(make_model(name), method, **kw).eval()
+    model = ltmp.patch(make_model(name), method, **THRESHOLDS).eval()
     cnt = CompileCounterWithBackend("eager")
     compiled = torch.compile(model, backend=cnt, dynamic=True)
     x = images(8 * batch, seed=3)
@@ -43,6 +41,27 @@ def test_compiled_eval_matches_eager_and_stops_recompiling(name, method, batch):
             assert torch.equal(kept, ltmp.stats(model).kept)
     reasons = list(counters["graph_break"])
     assert reasons and all("depend" in r.lower() for r in reasons), reasons  # only compaction's token counts
+
+
+@pytest.mark.parametrize("name, method, kw", [
+    ("cls", "tome", dict(r=[8, 6, 4])), ("registers", "tome", dict(r=5)), ("no-cls-avg", "topk-prune", dict(k=4)),
+    ("cls", "topk-mp", dict(k=[3, 2, 2])),
+])
+def test_fixed_rate_eval_compiles_into_one_graph(name, method, kw):
+    """Fixed rates: token counts follow from the shapes, so the eval forward is one graph (fullgraph raises on
+    any graph break) with the eager results and counts, for every batch of the same size."""
+    torch._dynamo.reset()
+    model = ltmp.patch(make_model(name), method, **kw).eval()
+    cnt = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, backend=cnt, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        for xi in images(12, seed=3).split(4):
+            got = compiled(xi)
+            kept = ltmp.stats(model).kept.clone()
+            want = model(xi)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+            assert torch.equal(kept, ltmp.stats(model).kept)
+    assert cnt.frame_count == 1
 
 
 @pytest.mark.parametrize("method", ["ltmp", "tome"])

@@ -12,12 +12,12 @@ from ._version import __version__ as __version__
 from .errors import LtmpError
 from .flops import ViTSpec, dense_gmacs, gmacs, gmacs_executed
 from .record import budget_loss, mean_r_flops, r_flops, stats
-from .reduce import METHODS
+from .reduce import METHODS, Execution
 from .thresholds import load_thresholds, read_thresholds, save_thresholds
 from .timm_patch import Record, patch, unpatch, vit_spec
 
 __all__ = [
-    "METHODS", "LtmpError", "Record", "ViTSpec", "budget_loss", "dense_gmacs", "gmacs", "gmacs_executed",
+    "METHODS", "Execution", "LtmpError", "Record", "ViTSpec", "budget_loss", "dense_gmacs", "gmacs", "gmacs_executed",
     "load_thresholds", "mean_r_flops", "patch", "r_flops", "read_thresholds", "save_thresholds", "stats", "unpatch",
     "vit_spec",
 ]

@@ -86,6 +86,13 @@ def kendall_tau(model: nn.Module, loader, device: torch.device | str = "cpu",
             "images": min(seen, max_images or seen)}
 
 
+def summarize(counts: dict[str, np.ndarray]) -> dict[str, dict[str, list[float]]]:
+    """Per-layer mean, quartiles and median of each count of :func:`layer_counts` (images x layers)."""
+    return {k: {"mean": v.mean(0).tolist(), "q25": np.percentile(v, 25, 0).tolist(),
+                "median": np.median(v, 0).tolist(), "q75": np.percentile(v, 75, 0).tolist()}
+            for k, v in counts.items()}
+
+
 def plot_layer_boxes(counts: dict[str, np.ndarray], path: str | os.PathLike, title: str = "") -> None:
     """Box plots of the tokens merged and pruned in each layer over the images (Figures 5 and 6)."""
     import matplotlib

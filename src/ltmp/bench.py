@@ -97,7 +97,7 @@ def bench_models(dense: nn.Module, reduced: nn.Module, batch: torch.Tensor, batc
               "gmacs_dense": dense_gmacs(spec), "compiled": compile, "runs": []}
     run_dense, run_reduced = dense, reduced
     if compile:  # both alike; the warm-up forwards compile (the first batch size's take longest)
-        run_dense, run_reduced = compile_model(dense, dynamic=False), compile_model(reduced, dynamic=True)
+        run_dense, run_reduced = compile_model(dense, device), compile_model(reduced, device)
     for bs in batch_sizes:
         x = batch[:bs].to(device)
         with torch.no_grad():

@@ -97,17 +97,6 @@ def format_eval(r: dict) -> str:
             + (f", {r['skipped']} unreadable skipped" if r["skipped"] else ""))
 
 
-def _eval_set(model, data_dir: str, val_split: str, max_images: int | None = None):
-    """The model's eval transform over the eval split (val <-> test fallback), optionally ``max_images`` of it
-    spread evenly over the classes."""
-    from . import data as ldata
-
-    root = ldata.resolve_root(data_dir)
-    _, eval_tf, _ = ldata.transforms_for(model, "none")
-    dataset = ldata.ImageFolder(ldata.split_dir(root, val_split), eval_tf)
-    return ldata.spread_subset(dataset, max_images)
-
-
 def _eval_json(path: str, flag: str) -> dict:
     """An eval.json written by ``ltmp eval --json`` or ``ltmp train``, for --match and --compare."""
     try:
@@ -127,31 +116,17 @@ def cmd_eval(args) -> int:
 
     from . import data as ldata
     from .evaluate import evaluate
-    from .flops import rate_schedule
     from .runtime import compile_model, create_model, pick_device
-    from .thresholds import load_thresholds
-    from .timm_patch import patch, vit_spec
 
-    model = create_model(args.model, args.pretrained, args.checkpoint)
-    if args.thresholds:
-        load_thresholds(model, args.thresholds)
-    elif args.method and args.method != "dense":
-        if args.method in LEARNED:
-            raise CLIError(f"--method {args.method} needs learned thresholds: pass --thresholds FILE")
-        rate = _rates(args.r if args.method == "tome" else args.k)
-        if args.match_gmacs is not None or args.match is not None:
-            target = args.match_gmacs
-            if args.match is not None:
-                target = _eval_json(args.match, "--match")["gmacs"]
-            rate = rate_schedule(vit_spec(model), target, args.method)
-        patch(model, args.method, r=rate if args.method == "tome" else None,
-                   k=rate if args.method != "tome" else None)
-    dataset = _eval_set(model, args.data_dir, args.val_split, args.max_images)
+    gmacs = args.match_gmacs if args.match is None else _eval_json(args.match, "--match")["gmacs"]
+    model = _reduced_model(args, create_model(args.model, args.pretrained, args.checkpoint), gmacs, dense_ok=True)
+    dataset = ldata.eval_set(model, args.data_dir, args.val_split, args.max_images)
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
                         collate_fn=ldata.collate_skip)
+    device = pick_device(args.device)
     if args.compile:
-        model = compile_model(model, dynamic=getattr(model, "ltmp_config", None) is not None)
-    result = evaluate(model, loader, pick_device(args.device), amp=args.amp, progress=not args.quiet,
+        model = compile_model(model, device)
+    result = evaluate(model, loader, device, amp=args.amp, progress=not args.quiet,
                       model_name=args.model)
     result["thresholds"] = args.thresholds
     print(format_eval(result))
@@ -173,18 +148,26 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _reduced_model(args, model):
+def _reduced_model(args, model, gmacs: float | None = None, dense_ok: bool = False):
+    """``model`` with the reduction that --thresholds or --method/--r/--k name; with ``gmacs``, a fixed-rate
+    method gets the per-layer schedule closest to those GMACs instead of --r/--k. ``dense_ok``: no reduction
+    named (or ``--method dense``) returns ``model`` as it is."""
+    from .flops import rate_schedule
     from .thresholds import load_thresholds
-    from .timm_patch import patch
+    from .timm_patch import patch, vit_spec
 
     if args.thresholds:
         return load_thresholds(model, args.thresholds)
     if args.method in (None, "dense"):
+        if dense_ok:
+            return model
         raise CLIError(f"pass --thresholds FILE or a fixed-rate --method ({', '.join(FIXED_RATE)}) to compare")
     if args.method in LEARNED:
         raise CLIError(f"--method {args.method} needs learned thresholds: pass --thresholds FILE")
-    return patch(model, args.method, r=_rates(args.r) if args.method == "tome" else None,
-                      k=_rates(args.k) if args.method != "tome" else None)
+    rate = _rates(args.r if args.method == "tome" else args.k)
+    if gmacs is not None:
+        rate = rate_schedule(vit_spec(model), gmacs, args.method)
+    return patch(model, args.method, **{"r" if args.method == "tome" else "k": rate})
 
 
 def cmd_bench(args) -> int:
@@ -192,6 +175,7 @@ def cmd_bench(args) -> int:
 
     import torch
 
+    from . import data as ldata
     from .bench import bench_models
     from .runtime import create_model, pick_device
 
@@ -206,7 +190,7 @@ def cmd_bench(args) -> int:
 
         exported = load_exported(args.exported).to(device)
     if args.data_dir:
-        ds = _eval_set(dense, args.data_dir, args.val_split, args.batch_size)
+        ds = ldata.eval_set(dense, args.data_dir, args.val_split, args.batch_size)
         batch = torch.stack([ds[i][0] for i in range(len(ds))])
     else:
         g = torch.Generator().manual_seed(0)
@@ -255,28 +239,6 @@ def _load_model(args):
     return create_model(args.model, args.pretrained, args.checkpoint), args.model
 
 
-def _read_images(path: str, transform, limit: int):
-    """Transformed images of a file or a folder (sorted, at most ``limit``), with their names."""
-    from PIL import Image
-
-    from .data import IMG_EXTENSIONS
-
-    p = Path(path)
-    if not p.exists():
-        raise CLIError(f"no such image or folder: {path}; pass an image file or a folder of images")
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix.lower() in IMG_EXTENSIONS)[:limit]
-    if not files:
-        raise CLIError(f"no images ({', '.join(IMG_EXTENSIONS[:3])}, ...) in {path}")
-    out = []
-    for f in files:
-        try:
-            with Image.open(f) as im:
-                out.append((f.name, transform(im.convert("RGB"))))
-        except Exception as e:  # PIL raises many types for bad files
-            raise CLIError(f"cannot read image {f} ({type(e).__name__}); pass a JPEG/PNG image") from None
-    return out
-
-
 def cmd_viz(args) -> int:
     import timm.data
 
@@ -285,7 +247,7 @@ def cmd_viz(args) -> int:
 
     model, name = _load_model(args)
     _, tf, _ = ldata.transforms_for(model, "none")
-    images = _read_images(args.image, tf, args.max_images)
+    images = ldata.read_images(args.image, tf, args.max_images)
     model = _reduced_model(args, model)
     model.ltmp_config.trace_source = True
     cfg = timm.data.resolve_data_config(model=model)
@@ -300,11 +262,10 @@ def cmd_viz(args) -> int:
 def cmd_analyze(args) -> int:
     import copy
 
-    import numpy as np
     from torch.utils.data import DataLoader
 
     from . import data as ldata
-    from .analysis import kendall_tau, layer_counts, plot_kendall, plot_layer_boxes
+    from .analysis import kendall_tau, layer_counts, plot_kendall, plot_layer_boxes, summarize
     from .demo import BUNDLED_DATA
     from .runtime import pick_device
     from .thresholds import atomic_write
@@ -312,7 +273,7 @@ def cmd_analyze(args) -> int:
 
     dense, name = _load_model(args)
     device = pick_device(args.device)
-    dataset = _eval_set(dense, args.data_dir or BUNDLED_DATA, args.val_split, args.max_images)
+    dataset = ldata.eval_set(dense, args.data_dir or BUNDLED_DATA, args.val_split, args.max_images)
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers, collate_fn=ldata.collate_skip)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -322,9 +283,7 @@ def cmd_analyze(args) -> int:
         counts = layer_counts(model, loader, device, args.max_images)
         method = model.ltmp_config.method
         summary = {"model": name, "method": method, "thresholds": args.thresholds, "images": len(counts["kept"]),
-                   **{k: {"mean": v.mean(0).tolist(), "q25": np.percentile(v, 25, 0).tolist(),
-                          "median": np.median(v, 0).tolist(), "q75": np.percentile(v, 75, 0).tolist()}
-                      for k, v in counts.items()}}
+                   **summarize(counts)}
         plot_layer_boxes(counts, out / "layers.png",
                          title=f"{name}, {method}: tokens removed per layer over {summary['images']} images")
         atomic_write(out / "layers.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
@@ -375,7 +334,7 @@ def cmd_export(args) -> int:
         model = _reduced_model(args, model)
     if args.image:
         _, tf, _ = ldata.transforms_for(model, "none")
-        example = _read_images(args.image, tf, 1)[0][1][None]
+        example = ldata.read_images(args.image, tf, 1)[0][1][None]
     else:
         example = torch.randn(1, *model.pretrained_cfg.get("input_size", (3, 224, 224)))
     path = export_model(model, example, args.format, args.output)

@@ -191,3 +191,30 @@ def holdout_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[i
     perm = torch.randperm(n, generator=g).tolist()
     k = int(round(n * fraction))
     return sorted(perm[k:]), sorted(perm[:k])
+
+
+def read_images(path: str | os.PathLike, transform: Callable, limit: int) -> list[tuple[str, torch.Tensor]]:
+    """Transformed images of a file or a folder (all subfolders, sorted by path, at most ``limit``), with their
+    file names."""
+    p = Path(path)
+    if not p.exists():
+        raise LtmpError(f"no such image or folder: {path}; pass an image file or a folder of images")
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix.lower() in IMG_EXTENSIONS)[:limit]
+    if not files:
+        raise LtmpError(f"no images ({', '.join(IMG_EXTENSIONS[:3])}, ...) in {path}")
+    out = []
+    for f in files:
+        try:
+            with Image.open(f) as im:
+                out.append((f.name, transform(im.convert("RGB"))))
+        except Exception as e:  # PIL raises many types for bad files
+            raise LtmpError(f"cannot read image {f} ({type(e).__name__}); pass a JPEG/PNG image") from None
+    return out
+
+
+def eval_set(model: torch.nn.Module, data_dir: str, val_split: str, max_images: int | None = None) -> Dataset:
+    """The model's eval transform over the eval split of ``data_dir`` (val <-> test fallback), optionally
+    ``max_images`` of it spread evenly over the classes."""
+    root = resolve_root(data_dir)
+    _, eval_tf, _ = transforms_for(model, "none")
+    return spread_subset(ImageFolder(split_dir(root, val_split), eval_tf), max_images)

@@ -43,6 +43,27 @@ MERGE_GRADS = ("average", "mask")
 
 
 @dataclasses.dataclass
+class Execution:
+    """How a patched model runs its forwards: every choice that changes speed but not results, in one place.
+
+    :func:`step_kind` picks the reduction step once per forward from these fields, the mode, the method and the
+    batch size. Set them on a patched model's ``ltmp_config.execution`` (a benchmark or a user on another device
+    may); the defaults were tuned on the 2-core CPU of docs/performance.md.
+    """
+
+    static_rates: bool = True  # fixed rates in eval: the static-shape step without host reads (_reduce_fixed)
+    single_image: bool = True  # one image in eval: the index-list step (_reduce_single), fewer operator calls
+    fused_attention: bool = True  # scaled_dot_product_attention where no probabilities are needed
+    pack_above: float = 0.05  # padded eval batches run token-wise layers packed above this share of padding
+    max_buckets: int = 4  # padded eval batches run attention in at most this many groups (1: never group)
+    #: fixed cost of one more attention group in multiply-accumulates, per device type; a device not listed never
+    #: groups. CPU: about 40 operator calls of ~6 us each, at the ~50 GMAC/s attention reaches on the 2-core CPU
+    #: of docs/performance.md (benchmarks/speed.py). No CUDA entry: on an H100 (DeiT-S, batch 32) 2 or 4 groups
+    #: made the forward 1.4x / 2x slower than the whole padded batch (benchmarks/grouping.py).
+    group_macs: dict[str, float] = dataclasses.field(default_factory=lambda: {"cpu": 12e6})
+
+
+@dataclasses.dataclass
 class ReduceConfig:
     """What one reduction step does; shared by all blocks of a patched model."""
 
@@ -59,6 +80,7 @@ class ReduceConfig:
     capture: list | None = None  # analysis: each block appends (layer, importance, similarity score, set-A mask)
     fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
     #                                         prunes these fractions of the block's candidates (see fit_threshold)
+    execution: Execution = dataclasses.field(default_factory=Execution)  # speed choices, not results
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -143,6 +165,25 @@ def is_compiling() -> bool:
     return fn is not None and bool(fn()) and not is_exporting()
 
 
+def step_kind(cfg: ReduceConfig, batch: int, training: bool) -> str:
+    """Which reduction step a forward runs in every block, chosen once per forward (the batched and the
+    single-image forward go through this one decision):
+
+    - ``"static"``: fixed rates in eval (:func:`_reduce_fixed`): static shapes, no host reads;
+    - ``"single"``: one image in eval without gradients, outside torch.compile (:func:`_reduce_single`);
+    - ``"masked"``: everything else (:func:`reduce_step`'s masked step): train mode, batches with learned
+      thresholds, calibration (``fit``) and analysis (``capture``), which read the masks.
+    """
+    e = cfg.execution
+    if training or cfg.fit is not None or cfg.capture is not None:
+        return "masked"
+    if not cfg.learned and e.static_rates:
+        return "static"
+    if batch == 1 and e.single_image and not torch.is_grad_enabled() and not is_compiling():
+        return "single"
+    return "masked"
+
+
 def layer_rate(rate: Sequence[int] | None, layer: int) -> int:
     return 0 if rate is None else int(rate[layer])
 
@@ -157,6 +198,7 @@ def reduce_step(
         merge_threshold: Tensor | None,
         prune_threshold: Tensor | None,
         rate: int | None = None,
+        kind: str | None = None,
 ) -> tuple[Tensor, TokenState, StepResult]:
     """Merge and/or prune the tokens of one block, between attention and MLP.
 
@@ -176,14 +218,17 @@ def reduce_step(
         merge_threshold, prune_threshold: Learned thresholds (scalars), for the threshold methods.
         rate: The fixed-rate methods' tokens for this block, if already looked up (``cfg.rate[layer]``); the
             patched forward passes it so that compiled blocks guard on the rate, not on the block index.
+        kind: The forward's :func:`step_kind` (computed here if not given).
 
     Returns:
         The new x, the new state, and the step's counts.
     """
     B, N, _ = x.shape
     rate = layer_rate(cfg.rate, layer) if rate is None else rate
-    if B == 1 and state.compact and not state.masked_once and cfg.fit is None and cfg.capture is None \
-            and not torch.is_grad_enabled() and not is_compiling():
+    kind = step_kind(cfg, B, not state.compact) if kind is None else kind
+    if kind == "static":
+        return _reduce_fixed(x, state, cfg, importance, metric, rate)
+    if kind == "single":
         return _reduce_single(x, state, cfg, importance, metric, merge_threshold, prune_threshold, rate)
     P = cfg.num_prefix
     keep, size, source = state.keep, state.size, state.source
@@ -343,6 +388,88 @@ def _reduce_single(
     result = StepResult(merged=n_merged, pruned=n_pruned, kept=n_kept, kept_frac=n_kept)
     return x, TokenState(size=size, keep=state.keep[:, :x.shape[1]], compact=True, source=source,
                          merged_once=merged_once), result
+
+
+def _ordered(scores: Tensor, k: int, largest: bool) -> Tensor:
+    """Positions of the ``k`` highest (lowest) of each row of ``scores`` (B, M), ties to the earlier position, in
+    ascending position order (B, k). Exports use top-k (ONNX has no stable sort)."""
+    if is_exporting():
+        sel = scores.topk(k, dim=1, largest=largest).indices
+    else:
+        sel = scores.sort(dim=1, descending=largest, stable=True).indices[:, :k]
+    return sel.sort(dim=1).values  # (B, k)
+
+
+def _without(gone: Tensor, k: int, *tensors: Tensor | None) -> list[Tensor | None]:
+    """The tensors (B, N, ...) without the k positions ``gone`` (B, N, uint8) marks in each row, survivors in
+    order."""
+    keep = gone.sort(dim=1, stable=True).indices[:, :gone.shape[1] - k]  # (B, N - k)
+    return [None if t is None else t.gather(1, keep.view(*keep.shape, *([1] * (t.dim() - 2))).expand(
+        -1, -1, *t.shape[2:])) for t in tensors]
+
+
+def _reduce_fixed(
+        x: Tensor,
+        state: TokenState,
+        cfg: ReduceConfig,
+        importance: Tensor | None,
+        metric: Tensor | None,
+        rate: int,
+) -> tuple[Tensor, TokenState, StepResult]:
+    """:func:`reduce_step` for the fixed-rate methods in eval mode, on tokens without padding: every image
+    merges and prunes the same number of tokens, known on the host from the shapes, so the step has static shapes
+    and reads nothing back from the device (no host synchronisation; ``torch.compile(fullgraph=True)`` traces it).
+
+    The same decisions as the masked step (the tests compare them): set A is the even positions past the prefix,
+    set B the odd ones (ToMe's split), the ``k = min(rate, |A|, |B|)`` best-matched A tokens merge into their B
+    targets as size-weighted averages (added in position order, as :func:`ltmp.ops.merge_tokens` does), a merged
+    token's importance is its group's max, pruning removes the ``rate`` least important patch tokens (ties to the
+    earlier position; one spared with ``keep_one``), and survivors keep their order.
+    """
+    B, N, C = x.shape
+    P = cfg.num_prefix
+    size, source = state.size, state.source
+    n_merged = n_pruned = 0
+    for op in cfg.ops:
+        if op == "merge":
+            a0 = (P + 1) // 2  # first set-A row past the prefix (A: even positions, B: odd positions)
+            k = min(rate, (N - 2 * a0 + 1) // 2, N // 2 - P // 2)
+            if k <= 0:
+                continue
+            sim = ops.cosine_similarity(metric, first_a=2 * a0)  # (B, Na, Nb)
+            if P > 1:
+                sim[..., :P // 2] = float("-inf")  # B columns inside the prefix
+            best, j = sim.max(dim=-1)  # (B, Na), (B, Na)
+            sel = _ordered(best, k, largest=True)  # (B, k) merged A rows, in position order
+            src, dst = 2 * sel + 2 * a0, 2 * j.gather(1, sel) + 1  # (B, k) positions merged away, their targets
+            dt = torch.promote_types(x.dtype, size.dtype)
+            s = size.to(dt)  # (B, N)
+            xw = x.to(dt) * s[..., None]  # (B, N, C) size-weighted tokens
+            num = xw.scatter_add(1, dst[..., None].expand(-1, -1, C), xw.gather(1, src[..., None].expand(-1, -1, C)))
+            den = s.scatter_add(1, dst, s.gather(1, src))  # (B, N)
+            got = torch.zeros_like(s, dtype=torch.uint8).scatter_(1, dst, 1)  # (B, N) received a merge
+            x = torch.where(got[..., None].bool(), (num / den[..., None]).to(x.dtype), x)  # (B, N, C)
+            if source is not None:
+                source = source.scatter_add(1, dst[..., None].expand(-1, -1, source.shape[2]),
+                                            source.gather(1, src[..., None].expand(-1, -1, source.shape[2])))
+            if importance is not None:
+                importance = importance.scatter_reduce(1, dst, importance.gather(1, src), "amax")
+            gone = torch.zeros_like(got).scatter_(1, src, 1)  # (B, N) merged away
+            x, size, source, importance = _without(gone, k, x, den.to(size.dtype), source, importance)
+            N, n_merged = N - k, k
+            state = dataclasses.replace(state, merged_once=True)
+        else:
+            k = min(rate, N - P - (1 if cfg.keep_one else 0))
+            if k <= 0:
+                continue
+            imp = importance.detach().to(torch.promote_types(importance.dtype, torch.float32))[:, P:]  # (B, N - P)
+            low = _ordered(imp, k, largest=False) + P  # (B, k) pruned positions
+            gone = torch.zeros(B, N, dtype=torch.uint8, device=x.device).scatter_(1, low, 1)  # (B, N) pruned
+            x, size, source, importance = _without(gone, k, x, size, source, importance)
+            N, n_pruned = N - k, k
+    n_kept = N - P
+    result = StepResult(merged=n_merged, pruned=n_pruned, kept=n_kept, kept_frac=n_kept)
+    return x, dataclasses.replace(state, size=size, keep=state.keep[:, :N], source=source, counts=[N] * B), result
 
 
 def _merge_single(x: Tensor, size: Tensor, source: Tensor | None, src: Tensor, dst: Tensor):

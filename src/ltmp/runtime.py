@@ -39,15 +39,21 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
     return model
 
 
-def compile_model(model: nn.Module, dynamic: bool) -> nn.Module:
-    """``torch.compile`` for ``--compile``: ``dynamic=True`` for reduced models in eval mode, whose token counts
-    change from image to image and block to block (graphs break once per block, where compaction reads the counts;
-    no guard depends on them), static shapes otherwise (dense models, train mode). The first batches compile (up to
-    minutes); later ones reuse the graphs. Needs a C++ compiler on CPUs and Triton on GPUs, as torch.compile does.
+def compile_model(model: nn.Module, device: torch.device | str = "cpu", train: bool = False) -> nn.Module:
+    """``torch.compile`` for ``--compile``, in the form the model's shapes allow.
 
-    Raises Dynamo's per-function recompile limit to at least 64 (default 8): every block of every patched model in
-    the process runs the same block function, and each reduction method, batch size of 1 or more, and the first
-    block (no padding yet) compile their own variant of it; past the limit Dynamo would silently run it eagerly.
+    - Eval, dense or a fixed-rate method (ToMe, top-k): every block's token count follows from the input's shape,
+      so the forward is one graph (``fullgraph=True``, static shapes) and, on CUDA, replays as a CUDA graph
+      (``mode="reduce-overhead"``: one launch per forward instead of one per operator).
+    - Eval with learned thresholds: ``dynamic=True``, since token counts change from image to image and block to
+      block (graphs break once per block, where compaction reads the counts; no guard depends on them).
+    - ``train=True``: static shapes (the masked train step keeps every token).
+
+    The first batches compile (up to minutes); later ones reuse the graphs. Needs a C++ compiler on CPUs and Triton
+    on GPUs, as torch.compile does. Raises Dynamo's per-function recompile limit to at least 64 (default 8): every
+    block of every patched model in the process runs the same block function, and each reduction method, batch
+    size of 1 or more, and the first block (no padding yet) compile their own variant of it; past the limit
+    Dynamo would silently run it eagerly.
     """
     if not hasattr(torch, "compile"):
         raise LtmpError(f"--compile needs torch.compile (torch >= 2.0); this is torch {torch.__version__}")
@@ -55,7 +61,13 @@ def compile_model(model: nn.Module, dynamic: bool) -> nn.Module:
 
     name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
-    return torch.compile(model, dynamic=dynamic)
+    cfg = getattr(model, "ltmp_config", None)
+    if train:
+        return torch.compile(model, dynamic=False)
+    if cfg is None or not cfg.learned:
+        graphs = "reduce-overhead" if torch.device(device).type == "cuda" else None
+        return torch.compile(model, dynamic=False, fullgraph=True, mode=graphs)
+    return torch.compile(model, dynamic=True)
 
 
 def pick_device(name: str) -> torch.device:
@@ -82,3 +94,41 @@ def amp_context(mode: str, device: torch.device):
     dtype = amp_dtype(mode, device)
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
+
+
+class HostSyncs(torch.overrides.TorchFunctionMode):
+    """Counts, while active, the calls that read a tensor's values back to the host (a synchronisation on a GPU,
+    where the host must wait for the device): ``item``/``tolist``/``bool``/``int``/``float``, outputs whose shape
+    depends on the values (``nonzero``, ``masked_select``, ``unique``, indexing with a boolean mask) and copies from
+    a device to the CPU. The counting is the same on a CPU, where nothing waits, so a test can hold a forward to
+    a number of synchronisations without a GPU (``benchmarks/profile_step.py`` prints them).
+
+    ``with HostSyncs() as syncs: model(x)``; then ``syncs.count`` and ``syncs.calls`` (name -> count).
+    """
+
+    READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere",
+                       "masked_select", "unique", "unique_consecutive"})
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    @property
+    def count(self) -> int:
+        return sum(self.calls.values())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        read = name in self.READS
+        if name == "__getitem__" and len(args) > 1:  # a boolean mask index has a value-dependent shape
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            read = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        elif name in ("cpu", "to") and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
+            out = func(*args, **kwargs)
+            if out.device.type == "cpu":
+                self.calls[name] = self.calls.get(name, 0) + 1
+            return out
+        if read:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **kwargs)

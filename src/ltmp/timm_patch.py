@@ -30,6 +30,7 @@ from .reduce import (
     layer_rate,
     log_size,
     reduce_step,
+    step_kind,
 )
 
 SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token' or 'avg' pooling "
@@ -233,8 +234,9 @@ def _features(model, x: Tensor) -> tuple[Tensor, TokenState]:
     steps: list[StepResult] = []
     padded = [x.shape[1]]
     sources, keeps = ([], []) if cfg.trace_source else (None, None)
+    kind = step_kind(cfg, x.shape[0], model.training)  # the forward's execution plan, chosen once
     for i, blk in enumerate(model.blocks):
-        x, state, step = _block(blk, x, state, cfg, i, layer_rate(cfg.rate, i))
+        x, state, step = _block(blk, x, state, cfg, i, layer_rate(cfg.rate, i), kind)
         steps.append(step)
         padded.append(x.shape[1])
         if sources is not None:
@@ -243,14 +245,18 @@ def _features(model, x: Tensor) -> tuple[Tensor, TokenState]:
     x = model.norm(x)
     if is_exporting() or torch.jit.is_tracing():  # symbolic counts: exported graphs have no record
         return x, state
-    if isinstance(steps[0].kept, int):  # single-image eval: counts are Python ints, one tensor per field
+    if all(isinstance(s.kept, int) for s in steps):  # counts known on the host (one image, or fixed rates)
         counts = torch.tensor([[s.merged, s.pruned, s.kept] for s in steps], device=x.device).T[:, None]  # (3, 1, L)
-        merged, pruned, kept = counts.unbind(0)
-        keep_frac = torch.cat([kept.new_full((1, 1), n), kept], 1).to(state.size.dtype) / n  # (1, L + 1)
+        merged, pruned, kept = counts.repeat(1, x.shape[0], 1).unbind(0)  # (B, L) each
+        keep_frac = torch.cat([kept.new_full((x.shape[0], 1), n), kept], 1).to(state.size.dtype) / n  # (B, L + 1)
     else:
-        merged, pruned, kept = (torch.stack([getattr(s, f) for s in steps], 1) for f in ("merged", "pruned", "kept"))
+        def per_image(v: Tensor | int) -> Tensor:  # (B,)
+            return v if isinstance(v, Tensor) else torch.full((x.shape[0],), v, device=x.device)
+
+        merged, pruned, kept = (torch.stack([per_image(getattr(s, f)) for s in steps], 1)
+                                for f in ("merged", "pruned", "kept"))
         ones = x.new_ones(x.shape[0], dtype=state.keep.dtype)
-        keep_frac = torch.stack([ones] + [s.kept_frac / n for s in steps], 1)
+        keep_frac = torch.stack([ones] + [per_image(s.kept_frac).to(ones.dtype) / n for s in steps], 1)
     model.ltmp_record = Record(
         method=cfg.method,
         merged=merged,
@@ -273,17 +279,13 @@ def _head(model, x: Tensor, state: TokenState) -> Tensor:
     return model.head(x)
 
 
-#: Eval batches run their token-wise layers (norms, qkv, proj, MLP) on the real tokens only, packed without
-#: padding, when padding makes up more than this fraction of the batch's tokens.
-PACK_ABOVE = 0.05
-
-
-def _packed_index(state: TokenState, always: bool = False) -> Tensor | None:
+def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) -> Tensor | None:
     """Flat indices of the real tokens of a padded eval batch (B * N -> T), or None when there is no padding to
-    skip (or too little, unless ``always``; under torch.compile always, so that no guard depends on the counts).
-    Packing makes the token-wise layers cost the batch's *mean* token count instead of its longest."""
-    if not (state.compact and state.masked_once) or state.real is None \
-            or (not (always or is_compiling()) and state.real >= (1 - PACK_ABOVE) * state.keep.numel()):
+    skip (or too little, ``cfg.execution.pack_above``, unless ``always``; under torch.compile always, so that no
+    guard depends on the counts). Packing makes the token-wise layers (norms, qkv, proj, MLP) cost the batch's
+    *mean* token count instead of its longest."""
+    if not (state.compact and state.masked_once) or state.real is None or (
+            not (always or is_compiling()) and state.real >= (1 - cfg.execution.pack_above) * state.keep.numel()):
         return None
     alive = (state.keep > 0.5).flatten()  # (B * N,)
     if hasattr(torch, "nonzero_static"):  # the count is known on the host: no synchronisation
@@ -307,25 +309,18 @@ def _identity(t: Tensor) -> Tensor:
     return t
 
 
-#: Padded eval batches run attention in at most this many groups of similar token counts (1: never group).
-MAX_BUCKETS = 4
-#: Fixed cost of one more attention group, in multiply-accumulates, per device type; a device not listed never
-#: groups. CPU: about 40 operator calls of ~6 us each, at the ~50 GMAC/s attention reaches on the 2-core CPU
-#: of docs/performance.md (tuned there with benchmarks/speed.py). No CUDA entry: on an H100 (DeiT-S, batch 32)
-#: 2 or 4 groups made the forward 1.4x / 2x slower than the whole padded batch (benchmarks/grouping.py).
-GROUP_MACS = {"cpu": 12e6}
-
-
-def _buckets(state: TokenState, attn) -> list[tuple[list[int], int]] | None:
-    """Groups of a padded eval batch for attention (:func:`ltmp.ops.plan_buckets`), or None to run it whole.
+def _buckets(state: TokenState, attn, cfg: ReduceConfig) -> list[tuple[list[int], int]] | None:
+    """Groups of a padded eval batch for attention (:func:`ltmp.ops.plan_buckets` with ``cfg.execution``'s
+    ``group_macs`` and ``max_buckets``), or None to run it whole.
 
     Only without gradients (``torch.no_grad()``/``inference_mode``, as ``ltmp eval``/``bench`` run), and never
     while tracing, exporting or compiling (the groups depend on the image: each new plan would recompile)."""
+    e = cfg.execution
     if not (state.compact and state.masked_once) or state.counts is None or is_exporting() \
             or torch.jit.is_tracing() or is_compiling() or torch.is_grad_enabled() \
-            or state.keep.device.type not in GROUP_MACS:
+            or state.keep.device.type not in e.group_macs:
         return None
-    return ops.plan_buckets(state.counts, 2.0 * attn.attn_dim, GROUP_MACS[state.keep.device.type], MAX_BUCKETS)
+    return ops.plan_buckets(state.counts, 2.0 * attn.attn_dim, e.group_macs[state.keep.device.type], e.max_buckets)
 
 
 def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: Tensor | None, cfg: ReduceConfig):
@@ -333,7 +328,8 @@ def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: T
     importance scores (B, N) of eq. 16/17, taken while the (B, H, N, N) probabilities are still in cache."""
     B, _, N, _ = q.shape
     importance = None
-    if cfg.needs_importance or not attn.fused_attn or (keep is not None and keep.requires_grad) \
+    if cfg.needs_importance or not (attn.fused_attn and cfg.execution.fused_attention) \
+            or (keep is not None and keep.requires_grad) \
             or is_exporting():  # SDPA's mask broadcasting would guard on the symbolic token count
         o, probs = ops.masked_attention(q, k, v, attn.scale, keep, ls, attn.attn_drop, cfg.mask_grad)  # (B, H, N, D)
         if cfg.needs_importance:
@@ -358,7 +354,7 @@ def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buc
     qkv, padded only to the group's longest image (padding rows repeat a real token and are masked), and its
     output goes straight back to the packed rows. The result of :func:`_attention` on the whole padded batch, up
     to rounding (a group without padding may run another kernel). The per-group index tensors are built from
-    host lists (a blocking copy on GPUs, where grouping is off; see ``GROUP_MACS``).
+    host lists (a blocking copy on GPUs, where grouping is off; see ``Execution.group_macs``).
 
     Returns:
         x after the attention residual (B, N, C), importance (B, N) or None, and the merge metric (B, N, D).
@@ -367,7 +363,7 @@ def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buc
     B, N, C = x.shape
     H, D = attn.num_heads, attn.head_dim
     dev = x.device
-    idx = _packed_index(state, always=True)  # (T,)
+    idx = _packed_index(state, cfg, always=True)  # (T,)
     T = idx.shape[0]
     qkv = attn.qkv(blk.norm1(x.reshape(B * N, C).index_select(0, idx)))  # (T, 3 * H * D)
     ls = log_size(state)
@@ -403,19 +399,20 @@ def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buc
     return x, importance, metric
 
 
-def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int, rate: int):
+def _block(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int, rate: int, kind: str):
     """timm ``Block.forward`` with the reduction step between attention and MLP (paper Figure 2); ``rate`` is the
-    fixed-rate methods' tokens for this block (0 for learned thresholds)."""
+    fixed-rate methods' tokens for this block (0 for learned thresholds), ``kind`` the forward's step kind."""
     attn = blk.attn
     B, N, _ = x.shape
-    buckets = _buckets(state, attn) if getattr(attn, "gate", None) is None else None
+    buckets = _buckets(state, attn, cfg) if getattr(attn, "gate", None) is None else None
     if buckets is not None:
         x, importance, metric = _grouped_attention(blk, x, state, cfg, buckets)
     else:
         x, importance, metric = _whole_attention(blk, x, state, cfg)
     x, state, step = reduce_step(x, state, cfg, layer, importance, metric, getattr(blk, "merge_threshold", None),
-                                 getattr(blk, "prune_threshold", None), rate)
-    x = _tokenwise(lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))), x, _packed_index(state), x)  # (B, N', C)
+                                 getattr(blk, "prune_threshold", None), rate, kind)
+    x = _tokenwise(lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))), x, _packed_index(state, cfg),
+                   x)  # (B, N', C)
     return x, state, step
 
 
@@ -430,7 +427,7 @@ def _whole_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig) -> tu
         gate, qkv = attn.gate(y).sigmoid(), attn.qkv(y)  # (B, N, C), (B, N, 3C)
         idx = None
     else:
-        idx = _packed_index(state)
+        idx = _packed_index(state, cfg)
         qkv = _tokenwise(lambda t: attn.qkv(blk.norm1(t)), x, idx)  # (B, N, 3C)
     qkv = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
     q, k, v = qkv.unbind(0)  # (B, H, N, D) each

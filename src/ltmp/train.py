@@ -330,7 +330,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     if ddp.world > 1:
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.compile:
-        net = compile_model(net, dynamic=False)
+        net = compile_model(net, device, train=True)
     merge_p = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
     prune_p = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
     groups = [g for g in ({"params": merge_p, "lr": cfg.lr_merge}, {"params": prune_p, "lr": cfg.lr_prune})
