@@ -5,10 +5,12 @@ the MLP. Train mode keeps every token in the tensor and carries a straight-throu
 case rule: a surviving candidate takes this block's masks (``1 - M_merge``, ``M_prune``, their product for a
 candidate of both), a token removed earlier keeps its earlier mask (value 0, with the gradient path to the
 threshold that removed it); eval mode removes the tokens (:func:`ltmp.ops.compact`). Both run the masked
-step :func:`reduce_step`, so they make the same decisions; a single image in eval mode runs
-:func:`_reduce_single`, the same step on index lists (fewer operator calls), which the tests hold to the same
-decisions; under ``torch.compile`` it runs the masked step, whose only data-dependent operation is compaction's
-count (one graph break per block instead of one per merge and prune).
+step :func:`reduce_step`, so they make the same decisions. :func:`step_kind` picks, once per forward, two faster
+forms of the same step that the tests hold to the same decisions: fixed rates in eval run
+:func:`_reduce_fixed` (static shapes, no host reads), and a single image in eval runs :func:`_reduce_single`
+(index lists, fewer operator calls). Under ``torch.compile`` learned thresholds run the masked step, whose only
+data-dependent operation is compaction's count (one graph break per block instead of one per merge and prune).
+:class:`Execution` holds these choices and the other speed settings.
 """
 from __future__ import annotations
 
