@@ -464,6 +464,12 @@ def write_doc(doc, img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run) -> No
                  "(" + ", ".join(f"{m.upper()} {r['top1']:.2f}" for m, r in best) + "). Paper: LTMP.")
         S.append(("2. LTMP is the best learned variant (r 0.5)", "LTMP", top.upper(),
                   "agrees" if top == "ltmp" else "disagrees"))
+    L += ["", "Tokens pruned per image in blocks 1-12 (learned pruning against top-k at the same GMACs):", ""]
+    for t in ABLATION_TARGETS:
+        lt, tk = c2[("ltp", t)]
+        if lt is not None and tk is not None:
+            for label, r in ((f"LTP r_target {t} (reached r_FLOPs {lt['r_flops']:.3f})", lt), ("top-k", tk)):
+                L.append(f"- {label}: " + ", ".join(f"{x['pruned']:.1f}" for x in r["per_layer"]))
     L += ["", "Paper (DeiT-S at 3.0G / 2.3G, i.e. r_FLOPs 0.65 / 0.5): LTP +1.3 / +1.7 over top-k pruning; LTM "
           "+0.2 / +0.1 over ToMe; LTMP +0.6 / +1.0 over top-k merging + pruning; LTMP best of all, and top-k "
           "merging + pruning below ToMe."]
