@@ -5,6 +5,8 @@ images of the speed studies, and the one training-free calibration recipe they u
 - :func:`run`: one ``ltmp`` command in this process, printed first; a failure exits with its code.
 - :func:`load_model`, :func:`load_images`, :func:`at_gmacs`: the speed studies' models (``cifar``, or ``deit-s`` /
   ``vit-b`` with random weights), bundled images, and fixed-rate baselines at a given GMACs.
+- :func:`compact`, :func:`unpack`: what the documents use of an ``ltmp eval --json`` result, small enough to commit
+  under results/ (the per-image correctness packed into hex), and back.
 - :func:`calibrated`: LTMP thresholds without training, ``calibrate(mode="quantile")`` on 64 bundled training
   images (per-layer quantiles that merge a fraction f of set A and prune f/2 of the rest, f bisected to hit
   r_target).
@@ -74,3 +76,20 @@ def calibrated(dense: torch.nn.Module, target: float, device: torch.device | str
     x = load_images(dense, "train", 64) if images is None else images
     r = calibrate(model, x, target, device, mode="quantile", iters=12)
     return model.eval(), r
+
+
+def compact(result: dict) -> dict:
+    """What the document uses of one ``ltmp eval --json`` result, with the per-image correctness ('0'/'1' per
+    test image) packed into hex."""
+    keep = {k: result[k] for k in ("method", "top1", "r_flops", "gmacs", "gmacs_dense", "images")}
+    keep["per_layer"] = [{k: round(x[k], 4) for k in ("merged", "pruned")} for x in result["per_layer"]]
+    keep["correct"] = f"{len(result['correct'])}:{int('1' + result['correct'], 2):x}"  # leading 1 keeps zeros
+    return keep
+
+
+def unpack(packed: str) -> str:
+    """The '0'/'1' string that :func:`compact` packed."""
+    n, value = packed.split(":")
+    bits = bin(int(value, 16))[3:]
+    assert len(bits) == int(n), "corrupt correctness record"
+    return bits

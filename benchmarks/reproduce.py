@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import DATA, MODEL, ROOT, run
+from common import DATA, MODEL, ROOT, compact, run, unpack
 from ltmp.significance import holm, mcnemar
 from ltmp.thresholds import atomic_write
 
@@ -179,23 +179,6 @@ class Jobs:
 
             convergence.main([result["folder"], "--steps", steps, "--out", str(out)])
         return self._keep(f"convergence/{result['name']}", lambda: json.loads(out.read_text()))
-
-
-def compact(result: dict) -> dict:
-    """What the document uses of one ``ltmp eval --json`` result, with the per-image correctness ('0'/'1' per
-    test image) packed into hex."""
-    keep = {k: result[k] for k in ("method", "top1", "r_flops", "gmacs", "gmacs_dense", "images")}
-    keep["per_layer"] = [{k: round(x[k], 4) for k in ("merged", "pruned")} for x in result["per_layer"]]
-    keep["correct"] = f"{len(result['correct'])}:{int('1' + result['correct'], 2):x}"  # leading 1 keeps zeros
-    return keep
-
-
-def unpack(packed: str) -> str:
-    """The '0'/'1' string that :func:`compact` packed."""
-    n, value = packed.split(":")
-    bits = bin(int(value, 16))[3:]
-    assert len(bits) == int(n), "corrupt correctness record"
-    return bits
 
 
 def first_last(log: Path) -> list[dict]:

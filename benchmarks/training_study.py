@@ -18,7 +18,11 @@ and started again:
   1``) and from a calibrated start (``--calibrate``), at r_target 0.7 and 0.5, paired with ``secant-adam``;
   ``--test`` then evaluates them once on the test set.
 
-Runs go to ``runs/study/<variant>-r<target>``.
+Runs go to ``runs/study/<variant>-r<target>``. What the tables use of them (each run's held-out and test
+evaluation, or why it stopped) is kept in ``RAW`` (``results/training_study.json``, committed); ``--render``
+prints the tables from it alone, without the runs:
+
+    python benchmarks/training_study.py forms optimizer procedure beyond --render --test
 """
 from __future__ import annotations
 
@@ -28,7 +32,27 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import DATA, MODEL, ROOT
+from common import DATA, MODEL, ROOT, compact, unpack
+
+RAW = ROOT / "results" / "training_study.json"
+SAVED: dict | None = None  # --render: RAW's records; nothing is read from the runs or run
+KEPT: dict[str, object] = {}  # the records this call read from the runs, merged into RAW at the end
+
+
+def record(folder: Path, name: str) -> dict | str | None:
+    """One run's ``eval.json`` / ``test.json`` (compacted; ``correct`` unpacked) or ``stopped.txt`` (with the
+    steps its log reached): from RAW when rendering, else from the run folder (and kept for RAW)."""
+    key = f"{folder.name}/{name}"
+    if SAVED is not None:
+        value = SAVED.get(key)
+    elif not (folder / name).exists():
+        return None
+    elif name == "stopped.txt":
+        steps = len((folder / "log.jsonl").read_text().splitlines())
+        value = KEPT[key] = f"stopped at step {steps}: {(folder / name).read_text().strip()}"
+    else:
+        value = KEPT[key] = compact(json.loads((folder / name).read_text()))
+    return dict(value, correct=unpack(value["correct"])) if isinstance(value, dict) else value
 
 STEPS = 100
 PAPER = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's
@@ -75,12 +99,12 @@ def train(folder: Path, target: float, extra: list[str]) -> None:
 
 
 def row(name: str, target: float, folder: Path) -> str | None:
-    if (folder / "stopped.txt").exists():
-        log = (folder / "log.jsonl").read_text().splitlines()
-        return f"| {name} | {target} | stopped at step {len(log)}: {(folder / 'stopped.txt').read_text().strip()} |"
-    if not (folder / "eval.json").exists():
+    stopped = record(folder, "stopped.txt")
+    if stopped is not None:
+        return f"| {name} | {target} | {stopped} |"
+    ev = record(folder, "eval.json")
+    if ev is None:
         return None
-    ev = json.loads((folder / "eval.json").read_text())
     merged = sum(layer["merged"] for layer in ev["per_layer"])
     pruned = sum(layer["pruned"] for layer in ev["per_layer"])
     early = sum(layer["merged"] + layer["pruned"] for layer in ev["per_layer"][:4])
@@ -97,9 +121,9 @@ def paired(folder: Path, base: Path, name: str = "eval.json") -> str:
     ``eval.json`` or the test set's ``test.json``)."""
     from ltmp.significance import mcnemar
 
-    if not (folder / name).exists() or not (base / name).exists():
+    a, b = record(folder, name), record(base, name)
+    if a is None or b is None:
         return "-"
-    a, b = (json.loads((f / name).read_text()) for f in (folder, base))
     return f"{a['top1'] - b['top1']:+.2f} (p={mcnemar(a['correct'], b['correct'])['p_value']:.2g})"
 
 
@@ -115,12 +139,12 @@ def test_once(runs: Path, study: str) -> str:
     for target in targets:
         for name in (base, *variants):
             folder = runs / f"{name}-r{target}"
-            if not (folder / "thresholds.safetensors").exists():
-                continue
-            if not (folder / "test.json").exists():
+            if SAVED is None and (folder / "thresholds.safetensors").exists() and not (folder / "test.json").exists():
                 run(["eval", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
                      "--thresholds", str(folder / "thresholds.safetensors"), "--json", str(folder / "test.json")])
-            ev = json.loads((folder / "test.json").read_text())
+            ev = record(folder, "test.json")
+            if ev is None:
+                continue
             vs = "-" if name == base else paired(folder, runs / f"{base}-r{target}", "test.json")
             lines.append(f"| {name} | {target} | {ev['r_flops']:.3f} | {ev['top1']:.2f} | {vs} |")
     return "\n".join(lines)
@@ -147,19 +171,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("studies", nargs="+", choices=sorted(STUDIES))
     ap.add_argument("--runs", default=str(ROOT / "runs" / "study"))
     ap.add_argument("--table", action="store_true", help="only print the tables of finished runs")
+    ap.add_argument("--render", action="store_true", help=f"print the tables from {RAW.relative_to(ROOT)} alone")
     ap.add_argument("--test", action="store_true", help="then evaluate the study's variants and baseline on the "
                     "test set, once (studies with a baseline: " + ", ".join(BASELINE) + ")")
     args = ap.parse_args(argv)
+    global SAVED
+    saved = json.loads(RAW.read_text()) if RAW.exists() else {}
+    if args.render:
+        SAVED = saved
     runs = Path(args.runs)
     for study in args.studies:
         targets, variants = STUDIES[study]
-        if not args.table:
+        if not (args.table or args.render):
             for target in targets:  # every variant at one target before the next: partial results still pair up
                 for name, extra in variants.items():
                     train(runs / f"{name}-r{target}", target, extra)
         print(table(runs, study) + "\n", flush=True)
         if args.test and study in BASELINE:
             print(test_once(runs, study) + "\n", flush=True)
+    if SAVED is None and KEPT:
+        from ltmp.thresholds import atomic_write
+
+        merged = dict(sorted({**saved, **KEPT}.items()))
+        atomic_write(RAW, lambda tmp: Path(tmp).write_text(json.dumps(merged, indent=0) + "\n"))
     return 0
 
 

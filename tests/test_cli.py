@@ -441,7 +441,8 @@ def test_resume_refuses_changed_settings_and_fresh_runs_drop_stale_checkpoints(t
 def test_compile_flags_compile_both_models_and_train_learns_the_same_thresholds(tiny_model, tiny_data, tmp_path,
                                                                                 monkeypatch):
     """--compile goes through torch.compile (here with Dynamo's "eager" backend, for speed): bench compiles the dense
-    model with static and the reduced one with dynamic shapes; a compiled training run ends where the eager one does."""
+    model and ToMe (a fixed rate) as single graphs with static shapes; a compiled training run ends where the eager
+    one does."""
     import torch._dynamo.config as dynamo_config
 
     limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
@@ -453,9 +454,9 @@ def _check_compile_flags(tiny_model, tiny_data, tmp_path, monkeypatch, dynamo_co
     calls = []
     real = torch.compile
 
-    def spy(model, dynamic=None, **kw):
-        calls.append((type(getattr(model, "module", model)).__name__, dynamic))
-        return real(model, dynamic=dynamic, backend="eager")
+    def spy(model, dynamic=None, fullgraph=False, mode=None, **kw):
+        calls.append((type(getattr(model, "module", model)).__name__, dynamic, fullgraph, mode))
+        return real(model, dynamic=dynamic, fullgraph=fullgraph, backend="eager")
 
     monkeypatch.setattr(torch, "compile", spy)
     out = tmp_path / "bench.json"
@@ -463,12 +464,12 @@ def _check_compile_flags(tiny_model, tiny_data, tmp_path, monkeypatch, dynamo_co
                  "--batch-size", "4", "--data-dir", str(tiny_data), "--reps", "1", "--rounds", "1", "--warmup", "1",
                  "--compile", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["compiled"] is True
-    assert calls == [("VisionTransformer", False), ("LTMPVisionTransformer", True)]
+    assert calls == [("VisionTransformer", False, True, None), ("LTMPVisionTransformer", False, True, None)]
     assert getattr(dynamo_config, limit) >= 64
     args = ["--steps", "3", "--no-eval", "--seed", "3"]
     assert main(train_args(tiny_model, tiny_data, tmp_path / "eager", *args)) == 0
     assert main(train_args(tiny_model, tiny_data, tmp_path / "compiled", *args, "--compile")) == 0
-    assert calls[-1] == ("LTMPVisionTransformer", False)  # train mode: static shapes
+    assert calls[-1] == ("LTMPVisionTransformer", False, False, None)  # train mode: static shapes, may break
     eager = thresholds_of(tmp_path / "eager" / "thresholds.safetensors")
     compiled = thresholds_of(tmp_path / "compiled" / "thresholds.safetensors")
     assert any(v != 0.0 for k, v in eager.items() if k.startswith("prune"))  # the 3 steps moved the thresholds

@@ -396,16 +396,19 @@ def _ordered(scores: Tensor, k: int, largest: bool) -> Tensor:
     """Positions of the ``k`` highest (lowest) of each row of ``scores`` (B, M), ties to the earlier position, in
     ascending position order (B, k). Exports use top-k (ONNX has no stable sort)."""
     if is_exporting():
-        sel = scores.topk(k, dim=1, largest=largest).indices
-    else:
-        sel = scores.sort(dim=1, descending=largest, stable=True).indices[:, :k]
-    return sel.sort(dim=1).values  # (B, k)
+        return scores.topk(k, dim=1, largest=largest).indices.topk(k, dim=1, largest=False).values  # (B, k)
+    return scores.sort(dim=1, descending=largest, stable=True).indices[:, :k].sort(dim=1).values  # (B, k)
 
 
 def _without(gone: Tensor, k: int, *tensors: Tensor | None) -> list[Tensor | None]:
     """The tensors (B, N, ...) without the k positions ``gone`` (B, N, uint8) marks in each row, survivors in
     order."""
-    keep = gone.sort(dim=1, stable=True).indices[:, :gone.shape[1] - k]  # (B, N - k)
+    n = gone.shape[1] - k
+    if is_exporting():  # ONNX has no stable sort: order by (removed, position), keys that never tie
+        key = gone.long() * gone.shape[1] + torch.arange(gone.shape[1], device=gone.device)  # (B, N)
+        keep = key.topk(n, dim=1, largest=False).indices  # (B, N - k)
+    else:
+        keep = gone.sort(dim=1, stable=True).indices[:, :n]  # (B, N - k)
     return [None if t is None else t.gather(1, keep.view(*keep.shape, *([1] * (t.dim() - 2))).expand(
         -1, -1, *t.shape[2:])) for t in tensors]
 
