@@ -21,6 +21,11 @@ from torch import Tensor
 from .errors import LtmpError
 
 
+def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``; ``t`` itself when it already is (no operator call, which counts at batch 1 and on GPUs)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def threshold_mask(scores: Tensor, threshold: Tensor, tau: float) -> Tensor:
     """Threshold masking module, eq. 1-2, as a straight-through estimator.
 
@@ -236,7 +241,7 @@ def cosine_similarity(metric: Tensor, first_a: int | None = None) -> Tensor:
         first_a: None: every row with every row (..., N, N). Else ToMe's split of contiguous tokens: rows
             ``first_a, first_a + 2, ...`` (set A) with the odd rows (set B), (..., Na, Nb).
     """
-    u = metric.to(torch.promote_types(metric.dtype, torch.float32))
+    u = cast(metric, torch.promote_types(metric.dtype, torch.float32))
     u = u / u.norm(dim=-1, keepdim=True)  # (..., N, D) rows of norm 1
     a, b = (u, u) if first_a is None else (u[..., first_a::2, :], u[..., 1::2, :])  # (..., Na, D), (..., Nb, D)
     with _autocast_off(u.device.type):  # bmm/mm, not matmul: its folding would guard on whether N is even

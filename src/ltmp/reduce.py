@@ -448,19 +448,20 @@ def _reduce_fixed(
             sel = _ordered(best, k, largest=True)  # (B, k) merged A rows, in position order
             src, dst = 2 * sel + 2 * a0, 2 * j.gather(1, sel) + 1  # (B, k) positions merged away, their targets
             dt = torch.promote_types(x.dtype, size.dtype)
-            s = size.to(dt)  # (B, N)
-            xw = x.to(dt) * s[..., None]  # (B, N, C) size-weighted tokens
-            num = xw.scatter_add(1, dst[..., None].expand(-1, -1, C), xw.gather(1, src[..., None].expand(-1, -1, C)))
+            s = ops.cast(size, dt)  # (B, N)
+            xw = ops.cast(x, dt) * s[..., None]  # (B, N, C) size-weighted tokens
+            dst_c = dst[..., None].expand(-1, -1, C)  # (B, k, C)
+            num = xw.scatter_add(1, dst_c, xw.gather(1, src[..., None].expand(-1, -1, C)))  # (B, N, C)
             den = s.scatter_add(1, dst, s.gather(1, src))  # (B, N)
-            got = torch.zeros_like(s, dtype=torch.uint8).scatter_(1, dst, 1)  # (B, N) received a merge
-            x = torch.where(got[..., None].bool(), (num / den[..., None]).to(x.dtype), x)  # (B, N, C)
+            merged = num.gather(1, dst_c) / den.gather(1, dst)[..., None]  # (B, k, C) the targets' new values
+            x = x.scatter(1, dst_c, ops.cast(merged, x.dtype))  # (B, N, C); the other tokens stay bit-identical
             if source is not None:
                 source = source.scatter_add(1, dst[..., None].expand(-1, -1, source.shape[2]),
                                             source.gather(1, src[..., None].expand(-1, -1, source.shape[2])))
             if importance is not None:
                 importance = importance.scatter_reduce(1, dst, importance.gather(1, src), "amax")
-            gone = torch.zeros_like(got).scatter_(1, src, 1)  # (B, N) merged away
-            x, size, source, importance = _without(gone, k, x, den.to(size.dtype), source, importance)
+            gone = torch.zeros(B, N, dtype=torch.uint8, device=x.device).scatter_(1, src, 1)  # (B, N) merged away
+            x, size, source, importance = _without(gone, k, x, ops.cast(den, size.dtype), source, importance)
             N, n_merged = N - k, k
             state = dataclasses.replace(state, merged_once=True)
         else:

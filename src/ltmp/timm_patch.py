@@ -341,7 +341,7 @@ def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: T
             bias = ls if ls is not None else torch.zeros_like(keep)
             if keep is not None:
                 bias = bias.masked_fill(keep <= 0.5, float("-inf"))
-            bias = bias[:, None, None, :].to(q.dtype)  # (B, 1, 1, N)
+            bias = ops.cast(bias[:, None, None, :], q.dtype)  # (B, 1, 1, N)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
                                            dropout_p=attn.attn_drop.p if attn.training else 0.0)
     return o.transpose(1, 2).reshape(B, N, attn.attn_dim), importance  # (B, N, C), (B, N) or None
