@@ -392,23 +392,27 @@ def _reduce_single(
                          merged_once=merged_once), result
 
 
-def _ordered(scores: Tensor, k: int, largest: bool) -> Tensor:
-    """Positions of the ``k`` highest (lowest) of each row of ``scores`` (B, M), ties to the earlier position, in
-    ascending position order (B, k). Exports use top-k (ONNX has no stable sort)."""
+def _split(scores: Tensor, k: int, largest: bool, offset: int, step: int, n: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` highest (lowest) of each row of ``scores`` (B, M), ties to the earlier row, at token positions
+    ``offset + step * row`` of ``n``: the kept positions (B, n - k) and the chosen ones (B, k), each in ascending
+    position order. Two sorts: the selection (stable) and the order of the tokens. Exports use top-k (ONNX has
+    no stable sort), the second one on keys that never tie."""
+    B = scores.shape[0]
     if is_exporting():
-        return scores.topk(k, dim=1, largest=largest).indices.topk(k, dim=1, largest=False).values  # (B, k)
-    return scores.sort(dim=1, descending=largest, stable=True).indices[:, :k].sort(dim=1).values  # (B, k)
-
-
-def _without(gone: Tensor, k: int, *tensors: Tensor | None) -> list[Tensor | None]:
-    """The tensors (B, N, ...) without the k positions ``gone`` (B, N, uint8) marks in each row, survivors in
-    order."""
-    n = gone.shape[1] - k
-    if is_exporting():  # ONNX has no stable sort: order by (removed, position), keys that never tie
-        key = gone.long() * gone.shape[1] + torch.arange(gone.shape[1], device=gone.device)  # (B, N)
-        keep = key.topk(n, dim=1, largest=False).indices  # (B, N - k)
+        rows = scores.topk(k, dim=1, largest=largest).indices  # (B, k)
     else:
-        keep = gone.sort(dim=1, stable=True).indices[:, :n]  # (B, N - k)
+        rows = scores.sort(dim=1, descending=largest, stable=True).indices[:, :k]  # (B, k)
+    gone = torch.zeros(B, n, dtype=torch.uint8, device=scores.device).scatter_(1, offset + step * rows, 1)  # (B, n)
+    if is_exporting():
+        key = gone.long() * n + torch.arange(n, device=gone.device)  # (B, n) (chosen, position): no ties
+        order = key.topk(n, dim=1, largest=False).indices  # (B, n)
+    else:
+        order = gone.sort(dim=1, stable=True).indices  # (B, n) kept positions in order, then the chosen ones
+    return order[:, :n - k], order[:, n - k:]
+
+
+def _gather(keep: Tensor, *tensors: Tensor | None) -> list[Tensor | None]:
+    """The tensors (B, N, ...) at the positions ``keep`` (B, N')."""
     return [None if t is None else t.gather(1, keep.view(*keep.shape, *([1] * (t.dim() - 2))).expand(
         -1, -1, *t.shape[2:])) for t in tensors]
 
@@ -445,8 +449,8 @@ def _reduce_fixed(
             if P > 1:
                 sim[..., :P // 2] = float("-inf")  # B columns inside the prefix
             best, j = sim.max(dim=-1)  # (B, Na), (B, Na)
-            sel = _ordered(best, k, largest=True)  # (B, k) merged A rows, in position order
-            src, dst = 2 * sel + 2 * a0, 2 * j.gather(1, sel) + 1  # (B, k) positions merged away, their targets
+            keep, src = _split(best, k, largest=True, offset=2 * a0, step=2, n=N)  # (B, N - k), (B, k) in order
+            dst = 2 * j.gather(1, (src - 2 * a0) // 2) + 1  # (B, k) the B position each merged A token joins
             dt = torch.promote_types(x.dtype, size.dtype)
             s = ops.cast(size, dt)  # (B, N)
             xw = ops.cast(x, dt) * s[..., None]  # (B, N, C) size-weighted tokens
@@ -460,8 +464,7 @@ def _reduce_fixed(
                                             source.gather(1, src[..., None].expand(-1, -1, source.shape[2])))
             if importance is not None:
                 importance = importance.scatter_reduce(1, dst, importance.gather(1, src), "amax")
-            gone = torch.zeros(B, N, dtype=torch.uint8, device=x.device).scatter_(1, src, 1)  # (B, N) merged away
-            x, size, source, importance = _without(gone, k, x, ops.cast(den, size.dtype), source, importance)
+            x, size, source, importance = _gather(keep, x, ops.cast(den, size.dtype), source, importance)
             N, n_merged = N - k, k
             state = dataclasses.replace(state, merged_once=True)
         else:
@@ -469,9 +472,8 @@ def _reduce_fixed(
             if k <= 0:
                 continue
             imp = importance.detach().to(torch.promote_types(importance.dtype, torch.float32))[:, P:]  # (B, N - P)
-            low = _ordered(imp, k, largest=False) + P  # (B, k) pruned positions
-            gone = torch.zeros(B, N, dtype=torch.uint8, device=x.device).scatter_(1, low, 1)  # (B, N) pruned
-            x, size, source, importance = _without(gone, k, x, size, source, importance)
+            keep, _ = _split(imp, k, largest=False, offset=P, step=1, n=N)  # (B, N - k) kept positions, in order
+            x, size, source, importance = _gather(keep, x, size, source, importance)
             N, n_pruned = N - k, k
     n_kept = N - P
     result = StepResult(merged=n_merged, pruned=n_pruned, kept=n_kept, kept_frac=n_kept)
