@@ -370,6 +370,8 @@ def test_eval_host_synchronisations(method, options, batch):
         assert syncs.calls == {}
     elif batch > 1:
         assert syncs.calls == {"tolist": len(model.blocks)}
+    else:  # one image: the index lists of merging and of the survivors
+        assert set(syncs.calls) == {"nonzero"} and syncs.count <= 2 * len(model.blocks), syncs.calls
 
 
 def test_host_sync_counter_sees_reads():

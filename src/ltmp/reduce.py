@@ -353,9 +353,9 @@ def _reduce_single(
             if not exporting and sel.shape[0] == 0:
                 continue
             src, dst = 2 * sel + 2 * a0, 2 * j.index_select(0, sel) + 1  # (M,) positions merged away, their targets
-            x, size, source = _merge_single(x, size, source, src, dst)
-            if importance is not None:
-                importance = importance.scatter_reduce(0, dst, importance.index_select(0, src), "amax")
+            x, size, source, imp = _merge_rows(x, size, source, None if importance is None else importance[None],
+                                               src[None], dst[None])
+            importance = None if imp is None else imp[0]
             alive = torch.ones(N, dtype=torch.bool, device=x.device).index_fill_(0, src, 0)  # (N,)
             n_merged, merged_once = src.shape[0], True
         else:
@@ -435,7 +435,7 @@ def _reduce_fixed(
     token's importance is its group's max, pruning removes the ``rate`` least important patch tokens (ties to the
     earlier position; one spared with ``keep_one``), and survivors keep their order.
     """
-    B, N, C = x.shape
+    B, N, _ = x.shape
     P = cfg.num_prefix
     size, source = state.size, state.source
     n_merged = n_pruned = 0
@@ -451,27 +451,15 @@ def _reduce_fixed(
             best, j = sim.max(dim=-1)  # (B, Na), (B, Na)
             keep, src = _split(best, k, largest=True, offset=2 * a0, step=2, n=N)  # (B, N - k), (B, k) in order
             dst = 2 * j.gather(1, (src - 2 * a0) // 2) + 1  # (B, k) the B position each merged A token joins
-            dt = torch.promote_types(x.dtype, size.dtype)
-            s = ops.cast(size, dt)  # (B, N)
-            xw = ops.cast(x, dt) * s[..., None]  # (B, N, C) size-weighted tokens
-            dst_c = dst[..., None].expand(-1, -1, C)  # (B, k, C)
-            num = xw.scatter_add(1, dst_c, xw.gather(1, src[..., None].expand(-1, -1, C)))  # (B, N, C)
-            den = s.scatter_add(1, dst, s.gather(1, src))  # (B, N)
-            merged = num.gather(1, dst_c) / den.gather(1, dst)[..., None]  # (B, k, C) the targets' new values
-            x = x.scatter(1, dst_c, ops.cast(merged, x.dtype))  # (B, N, C); the other tokens stay bit-identical
-            if source is not None:
-                source = source.scatter_add(1, dst[..., None].expand(-1, -1, source.shape[2]),
-                                            source.gather(1, src[..., None].expand(-1, -1, source.shape[2])))
-            if importance is not None:
-                importance = importance.scatter_reduce(1, dst, importance.gather(1, src), "amax")
-            x, size, source, importance = _gather(keep, x, ops.cast(den, size.dtype), source, importance)
+            x, size, source, importance = _merge_rows(x, size, source, importance, src, dst)
+            x, size, source, importance = _gather(keep, x, size, source, importance)
             N, n_merged = N - k, k
             state = dataclasses.replace(state, merged_once=True)
         else:
             k = min(rate, N - P - (1 if cfg.keep_one else 0))
             if k <= 0:
                 continue
-            imp = importance.detach().to(torch.promote_types(importance.dtype, torch.float32))[:, P:]  # (B, N - P)
+            imp = ops.cast(importance.detach(), torch.promote_types(importance.dtype, torch.float32))[:, P:]  # (B, N-P)
             keep, _ = _split(imp, k, largest=False, offset=P, step=1, n=N)  # (B, N - k) kept positions, in order
             x, size, source, importance = _gather(keep, x, size, source, importance)
             N, n_pruned = N - k, k
@@ -480,18 +468,29 @@ def _reduce_fixed(
     return x, dataclasses.replace(state, size=size, keep=state.keep[:, :N], source=source, counts=[N] * B), result
 
 
-def _merge_single(x: Tensor, size: Tensor, source: Tensor | None, src: Tensor, dst: Tensor):
-    """:func:`ltmp.ops.merge_tokens` for one image given as index lists: ``src[i]`` merges into ``dst[i]``."""
+def _merge_rows(x: Tensor, size: Tensor, source: Tensor | None, importance: Tensor | None, src: Tensor,
+                dst: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """:func:`ltmp.ops.merge_tokens` on index lists: in each image the token at ``src[:, i]`` merges into the one
+    at ``dst[:, i]`` (B, k), as a size-weighted average added in the order of ``src``; sizes and source rows add
+    up and a merged token's importance is its group's max. Tokens that receive nothing are returned bit-identical;
+    none is removed. The fixed-rate step and the single-image step (B = 1) both merge here.
+    """
+    C = x.shape[2]
     dt = torch.promote_types(x.dtype, size.dtype)
-    s = size[0]  # (N,)
-    xw = (x[0] if x.dtype == dt else x[0].to(dt)) * s[:, None]  # (N, C) size-weighted tokens
-    num = xw.index_add(0, dst, xw.index_select(0, src))  # (N, C)
-    den = s.index_add(0, dst, s.index_select(0, src))  # (N,)
-    merged = num.index_select(0, dst) / den.index_select(0, dst)[:, None]  # (M, C); the others stay bit-identical
-    x = x[0].index_put((dst,), merged if merged.dtype == x.dtype else merged.to(x.dtype))[None]  # (1, N, C)
+    s = ops.cast(size, dt)  # (B, N)
+    xw = ops.cast(x, dt) * s[..., None]  # (B, N, C) size-weighted tokens
+    dst_c = dst[..., None].expand(-1, -1, C)  # (B, k, C)
+    num = xw.scatter_add(1, dst_c, xw.gather(1, src[..., None].expand(-1, -1, C)))  # (B, N, C)
+    den = s.scatter_add(1, dst, s.gather(1, src))  # (B, N)
+    merged = num.gather(1, dst_c) / den.gather(1, dst)[..., None]  # (B, k, C) the targets' new values
+    x = x.scatter(1, dst_c, ops.cast(merged, x.dtype))  # (B, N, C); the other tokens stay bit-identical
     if source is not None:
-        source = source[0].index_add(0, dst, source[0].index_select(0, src))[None]
-    return x, den[None], source
+        K = source.shape[2]
+        source = source.scatter_add(1, dst[..., None].expand(-1, -1, K), source.gather(1, src[..., None].expand(
+            -1, -1, K)))  # (B, N, N0)
+    if importance is not None:
+        importance = importance.scatter_reduce(1, dst, importance.gather(1, src), "amax")  # (B, N)
+    return x, ops.cast(den, size.dtype), source, importance
 
 
 @torch.no_grad()

@@ -95,7 +95,6 @@ def amp_context(mode: str, device: torch.device):
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
-
 class HostSyncs(torch.overrides.TorchFunctionMode):
     """Counts, while active, the calls that read a tensor's values back to the host (a synchronisation on a GPU,
     where the host must wait for the device): ``item``/``tolist``/``bool``/``int``/``float``, outputs whose shape

@@ -245,18 +245,14 @@ def _features(model, x: Tensor) -> tuple[Tensor, TokenState]:
     x = model.norm(x)
     if is_exporting() or torch.jit.is_tracing():  # symbolic counts: exported graphs have no record
         return x, state
-    if all(isinstance(s.kept, int) for s in steps):  # counts known on the host (one image, or fixed rates)
+    if isinstance(steps[0].kept, int):  # counts known on the host (the single-image and fixed-rate steps)
         counts = torch.tensor([[s.merged, s.pruned, s.kept] for s in steps], device=x.device).T[:, None]  # (3, 1, L)
         merged, pruned, kept = counts.repeat(1, x.shape[0], 1).unbind(0)  # (B, L) each
         keep_frac = torch.cat([kept.new_full((x.shape[0], 1), n), kept], 1).to(state.size.dtype) / n  # (B, L + 1)
-    else:
-        def per_image(v: Tensor | int) -> Tensor:  # (B,)
-            return v if isinstance(v, Tensor) else torch.full((x.shape[0],), v, device=x.device)
-
-        merged, pruned, kept = (torch.stack([per_image(getattr(s, f)) for s in steps], 1)
-                                for f in ("merged", "pruned", "kept"))
+    else:  # the masked step: per-image counts as tensors (the step kind is the same in every block)
+        merged, pruned, kept = (torch.stack([getattr(s, f) for s in steps], 1) for f in ("merged", "pruned", "kept"))
         ones = x.new_ones(x.shape[0], dtype=state.keep.dtype)
-        keep_frac = torch.stack([ones] + [per_image(s.kept_frac).to(ones.dtype) / n for s in steps], 1)
+        keep_frac = torch.stack([ones] + [s.kept_frac / n for s in steps], 1)
     model.ltmp_record = Record(
         method=cfg.method,
         merged=merged,
