@@ -345,3 +345,24 @@ def test_cosine_similarity_of_tome_split_equals_torch_on_the_slices(batched):
     full = ops.cosine_similarity(m)  # every row with every row
     assert torch.allclose(full.diagonal(dim1=-2, dim2=-1), torch.ones(()).double(), atol=1e-12, rtol=0)
     assert torch.allclose(full[..., 2::2, 1::2], ops.cosine_similarity(m, first_a=2), atol=1e-12, rtol=0)
+
+
+def test_contract_merges_into_survivors_and_compacts_in_order():
+    """Eval's one scatter: survivors keep their order at the front, a token merged into a survivor joins it as a
+    size-weighted average (sizes add up), one merged into a removed token is dropped with it, padding is zero."""
+    x = torch.arange(12, dtype=torch.float64).view(2, 6, 1)  # token values 0..5 and 6..11
+    size = torch.tensor([[1.0, 2, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.float64)
+    alive = torch.tensor([[1, 1, 0, 1, 0, 1], [1, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    merge = torch.tensor([[0, 0, 1, 0, 1, 0], [0, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    dst = torch.tensor([[0, 0, 1, 0, 3, 0], [0, 2, 0, 0, 0, 0]])  # image 1 merges token 1 into removed token 2
+    out, new_size, _, keep, counts = ops.contract(alive, x, size, None, merge, dst)
+    assert counts == [4, 2]
+    assert torch.equal(keep, torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float64))
+    assert torch.equal(new_size, torch.tensor([[1.0, 3, 2, 1], [1, 1, 0, 0]], dtype=torch.float64))
+    expected = torch.tensor([[0.0, (2 * 1 + 2) / 3, (3 + 4) / 2, 5], [6, 9, 0, 0]], dtype=torch.float64)
+    assert torch.allclose(out[..., 0], expected, atol=1e-12, rtol=0), out[..., 0]
+    # counts known on the host (fixed rates): nothing read back, the same result
+    from ltmp.runtime import HostSyncs
+    with HostSyncs() as syncs:
+        again = ops.contract(alive, x, size, None, merge, dst, counts=[4, 2])
+    assert syncs.count == 0 and torch.equal(again[0], out)

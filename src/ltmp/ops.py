@@ -94,15 +94,23 @@ def masked_attention(
         out (B, H, N, D) and the attention probabilities S (B, H, N, N), in fp32 (or float64 for float64 inputs).
     """
     hard = keep is None or not (torch.is_grad_enabled() and keep.requires_grad)
-    if q.shape[0] == 1 and keep is None and not torch.is_grad_enabled() and q.dtype in (torch.float32, torch.float64) \
-            and not _autocast_on(q.device.type):  # one image: 3-D matmuls, bias folded in (fewer operator calls)
-        kt = k[0].transpose(1, 2)  # (H, D, N)
-        if log_size is None:
-            attn = torch.bmm(q[0], kt).mul_(scale)  # (H, N, N)
+    if hard and not torch.is_grad_enabled() and q.dtype in (torch.float32, torch.float64) \
+            and not _autocast_on(q.device.type) and (dropout is None or not dropout.training):
+        # eval: 3-D matmuls with the scale and the bias folded in (fewer operator calls)
+        B, H, N, D = q.shape
+        q3, k3, v3 = (t.reshape(B * H, N, D) for t in (q, k, v))  # (B * H, N, D) each
+        bias = None
+        if log_size is not None or keep is not None:
+            bias = log_size.to(q.dtype) if log_size is not None else q.new_zeros(keep.shape)  # (B, N)
+            if keep is not None:
+                bias = bias.masked_fill(keep <= 0.5, float("-inf"))
+            bias = bias[:, None, :] if H == 1 else bias[:, None, None, :].expand(B, H, 1, N).reshape(B * H, 1, N)
+        if bias is None:
+            attn = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)  # (B * H, N, N)
         else:
-            attn = torch.baddbmm(log_size[0].to(q.dtype), q[0], kt, alpha=scale)  # (H, N, N)
-        probs = attn.softmax(dim=-1)  # (H, N, N)
-        return torch.bmm(probs, v[0])[None], probs[None]  # (1, H, N, D), (1, H, N, N)
+            attn = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale)  # (B * H, N, N)
+        probs = attn.softmax(dim=-1)  # (B * H, N, N)
+        return torch.bmm(probs, v3).view(B, H, N, D), probs.view(B, H, N, N)  # (B, H, N, D), (B, H, N, N)
     attn = (q * scale) @ k.transpose(-2, -1)  # (B, H, N, N)
     attn = attn.to(torch.promote_types(attn.dtype, torch.float32))  # fp16/bf16 -> fp32, float64 stays
     if hard:  # no gradient to the mask: one additive bias (log size, -inf where masked) and one softmax
@@ -373,6 +381,54 @@ def group_max(scores: Tensor, merge: Tensor, dst: Tensor) -> Tensor:
     """
     src = scores.masked_fill(merge.detach() <= 0.5, float("-inf"))  # (B, N)
     return scores.scatter_reduce(1, dst, src, reduce="amax", include_self=True)
+
+
+def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = None, merge: Tensor | None = None,
+             dst: Tensor | None = None, counts: list[int] | None = None
+             ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, list[int]]:
+    """Eval mode: the merges of eq. 7 (size-weighted averages, sizes add up) and compaction in one scatter.
+
+    Each surviving token goes to its slot (its rank among the image's survivors, so order is kept); a token
+    merged into a survivor adds its size-weighted value to that survivor's slot; every other token goes to a
+    dump slot that is cut off. Each image's survivors end up at the front, zero-padded to the longest image.
+
+    Args:
+        alive: (B, N) bool, the tokens that survive the block.
+        x: (B, N, C) tokens; size: (B, N) patches per token; source: (B, N, N0) patch map, or None.
+        merge: (B, N) bool, tokens merged away into ``dst`` (B, N) positions, or None.
+        counts: each image's survivors, if known on the host (fixed rates): nothing is read back.
+
+    Returns:
+        x (B, N', C), size (B, N'), source (B, N', N0) or None, the new keep mask (B, N') and ``counts`` (read
+        back from the device when not given: the one host synchronisation of a learned-threshold block).
+    """
+    B, N = alive.shape
+    c = alive.sum(1)  # (B,)
+    if counts is None:
+        counts = c.tolist()  # the one host synchronisation
+    n_new = max(counts)
+    slot = alive.long().cumsum(1) - 1  # (B, N) rank among the survivors
+    target = torch.where(alive, slot, n_new)  # (B, N); removed tokens go to the dump slot n_new
+    if merge is not None:  # a token merged into a survivor joins its slot; into a pruned token: the dump
+        target = torch.where(merge & alive.gather(1, dst), slot.gather(1, dst), target)  # (B, N)
+
+    def scatter(t: Tensor, add: bool) -> Tensor:  # t (B, N, ...) into (B, N', ...)
+        index = target.view(B, N, *([1] * (t.dim() - 2))).expand_as(t)
+        out = t.new_zeros((B, n_new + 1) + t.shape[2:])
+        return (out.scatter_add_(1, index, t) if add else out.scatter_(1, index, t))[:, :n_new]
+
+    if merge is None:  # survivors only: exact copies
+        x, size = scatter(x, False), scatter(size, False)
+    else:
+        dt = torch.promote_types(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
+        s = cast(size, dt)  # (B, N)
+        den = scatter(s, True)  # (B, N') sizes add up; 0 for padding
+        x = cast(scatter(cast(x, dt) * s[..., None], True) / den.clamp(min=1)[..., None], x.dtype)  # (B, N', C)
+        size = cast(den, size.dtype)
+    if source is not None:
+        source = scatter(source, True)  # (B, N', N0) patch maps add up
+    keep = torch.arange(n_new, device=alive.device) < c[:, None]  # (B, N')
+    return x, size, source, keep.to(size.dtype), counts
 
 
 def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor | None], list[int]]:

@@ -4,12 +4,13 @@ A block runs attention on the surviving tokens, then this step merges and/or pru
 the MLP. Train mode keeps every token in the tensor and carries a straight-through keep mask that follows eq. 3's
 case rule: a surviving candidate takes this block's masks (``1 - M_merge``, ``M_prune``, their product for a
 candidate of both), a token removed earlier keeps its earlier mask (value 0, with the gradient path to the
-threshold that removed it); eval mode removes the tokens (:func:`ltmp.ops.compact`). Both run the masked
-step :func:`reduce_step`, so they make the same decisions. :func:`step_kind` picks, once per forward, two faster
-forms of the same step that the tests hold to the same decisions: fixed rates in eval run
-:func:`_reduce_fixed` (static shapes, no host reads), and a single image in eval runs :func:`_reduce_single`
-(index lists, fewer operator calls). Under ``torch.compile`` learned thresholds run the masked step, whose only
-data-dependent operation is compaction's count (one graph break per block instead of one per merge and prune).
+threshold that removed it); eval mode removes the tokens. Both run the masked step :func:`reduce_step`, so they
+make the same decisions. :func:`step_kind` picks, once per forward, faster forms of the same step for eval without
+gradients, which the tests hold to the same decisions: fixed rates run :func:`_reduce_fixed` (static shapes, no
+host reads); learned thresholds run :func:`_reduce_compact` on a batch (the masked step's decisions as hard masks,
+then merging and compaction in one scatter, one host read per block: the survivor counts) and
+:func:`_reduce_single` on one image (index lists, fewer operator calls). Under ``torch.compile`` the host read is
+the one graph break per block.
 :class:`Execution` holds these choices and the other speed settings.
 """
 from __future__ import annotations
@@ -115,6 +116,8 @@ class TokenState:
     merged_once: bool = False  # sizes may differ from 1 (proportional attention needed)
     masked_once: bool = False  # some token is masked or padded (masked attention needed)
     counts: list[int] | None = None  # eval: each image's real (not padding) tokens, on the host after compaction
+    packed: tuple[Tensor, Tensor] | None = None  # eval: (keep, flat indices of its real tokens), reused by the
+    #                                              MLP and the next block's attention while keep is the same tensor
 
     @property
     def real(self) -> int | None:
@@ -173,8 +176,9 @@ def step_kind(cfg: ReduceConfig, batch: int, training: bool) -> str:
 
     - ``"static"``: fixed rates in eval (:func:`_reduce_fixed`): static shapes, no host reads;
     - ``"single"``: one image in eval without gradients, outside torch.compile (:func:`_reduce_single`);
-    - ``"masked"``: everything else (:func:`reduce_step`'s masked step): train mode, batches with learned
-      thresholds, calibration (``fit``) and analysis (``capture``), which read the masks.
+    - ``"compact"``: learned thresholds in eval without gradients otherwise (:func:`_reduce_compact`);
+    - ``"masked"``: everything else (:func:`reduce_step`'s masked step): train mode, eval with gradients,
+      calibration (``fit``) and analysis (``capture``), which read the masks.
     """
     e = cfg.execution
     if training or cfg.fit is not None or cfg.capture is not None:
@@ -183,6 +187,8 @@ def step_kind(cfg: ReduceConfig, batch: int, training: bool) -> str:
         return "static"
     if batch == 1 and e.single_image and not torch.is_grad_enabled() and not is_compiling():
         return "single"
+    if cfg.learned and not torch.is_grad_enabled():
+        return "compact"
     return "masked"
 
 
@@ -232,6 +238,8 @@ def reduce_step(
         return _reduce_fixed(x, state, cfg, importance, metric, rate)
     if kind == "single":
         return _reduce_single(x, state, cfg, importance, metric, merge_threshold, prune_threshold, rate)
+    if kind == "compact":
+        return _reduce_compact(x, state, cfg, importance, metric, merge_threshold, prune_threshold)
     P = cfg.num_prefix
     keep, size, source = state.keep, state.size, state.source
     # eq. 3: the tokens this block's modules consider take this block's masks, (1 - M_merge) * M_prune for a token
@@ -279,9 +287,7 @@ def reduce_step(
                 drop = ops.topk_mask(importance, cand, torch.full_like(merged, rate), largest=False)
                 pm = (~drop).to(x.dtype)
             if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
-                top = importance.detach().float().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)
-                spare = torch.zeros_like(cand).scatter_(1, top, True) & (drop & cand).sum(1, keepdim=True).eq(
-                    cand.sum(1, keepdim=True))
+                spare = _spare(importance, cand, drop)  # (B, N)
                 pm = pm + (spare & drop).to(pm.dtype)
                 drop = drop & ~spare
             pm = torch.where(cand, pm, torch.ones_like(pm))  # (B, N)
@@ -297,6 +303,59 @@ def reduce_step(
         # without padding (e.g. equal counts) the next block needs no mask at all
         state = dataclasses.replace(state, masked_once=sum(counts) < keep.numel(), counts=counts)
     return x, dataclasses.replace(state, size=size, keep=keep, source=source), result
+
+
+def _spare(importance: Tensor, cand: Tensor, drop: Tensor) -> Tensor:
+    """``keep_one``: the most important candidate (B, N) bool of each image whose every candidate ``cand`` would
+    be pruned (``drop``), so that it keeps one patch token."""
+    top = importance.detach().float().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
+    return torch.zeros_like(cand).scatter_(1, top, True) & (drop & cand).sum(1, keepdim=True).eq(
+        cand.sum(1, keepdim=True))  # (B, N)
+
+
+def _reduce_compact(
+        x: Tensor,
+        state: TokenState,
+        cfg: ReduceConfig,
+        importance: Tensor | None,
+        metric: Tensor | None,
+        merge_threshold: Tensor | None,
+        prune_threshold: Tensor | None,
+) -> tuple[Tensor, TokenState, StepResult]:
+    """:func:`reduce_step` for learned thresholds in eval mode without gradients: the masked step's decisions
+    (eq. 1 on the same scores, the same A/B split, group-max importance and ``keep_one`` rule), taken as hard
+    masks, then merging and compaction in one scatter (:func:`ltmp.ops.contract`) instead of a merge pass, a
+    mask bookkeeping pass and a compaction. One host synchronisation: the survivor counts.
+    """
+    N, P = x.shape[1], cfg.num_prefix
+    alive = state.keep > 0.5  # (B, N) survivors, at the front of each row
+    merge = dst = None
+    merged = pruned = x.new_zeros(x.shape[0], dtype=torch.long)
+    for op in cfg.ops:
+        if op == "merge":
+            if cfg.ops[0] == "merge":  # survivors still contiguous: ToMe's even/odd split
+                score, dst, is_a = ops.best_match_contiguous(metric, alive, P)  # (B, N) each
+            else:  # ltpm: the split alternates over the survivors of pruning
+                is_a, is_b = ops.bipartite_sets(alive, P)  # (B, N) each
+                score, dst = ops.best_match(metric, is_a, is_b)  # (B, N) each
+            merge = (score > merge_threshold) & is_a  # (B, N) eq. 1
+            if importance is not None:
+                importance = ops.group_max(importance, merge, dst)  # (B, N)
+            alive = alive & ~merge
+            merged = merge.sum(1)
+        else:
+            cand = alive & (torch.arange(N, device=x.device) >= P)  # (B, N) surviving patch tokens
+            drop = cand & (importance <= prune_threshold)  # (B, N) eq. 1: kept where importance > threshold
+            if cfg.keep_one:
+                drop = drop & ~_spare(importance, cand, drop)
+            alive = alive & ~drop
+            pruned = drop.sum(1)
+    x, size, source, keep, counts = ops.contract(alive, x, state.size, state.source, merge, dst)
+    kept = keep[:, P:].sum(1)  # (B,)
+    state = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts,
+                                merged_once=state.merged_once or merge is not None,
+                                masked_once=sum(counts) < keep.numel())
+    return x, state, StepResult(merged=merged, pruned=pruned, kept=kept, kept_frac=kept)
 
 
 def _reduce_single(

@@ -283,10 +283,15 @@ def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) ->
     if not (state.compact and state.masked_once) or state.real is None or (
             not (always or is_compiling()) and state.real >= (1 - cfg.execution.pack_above) * state.keep.numel()):
         return None
+    if state.packed is not None and state.packed[0] is state.keep:
+        return state.packed[1]
     alive = (state.keep > 0.5).flatten()  # (B * N,)
     if hasattr(torch, "nonzero_static"):  # the count is known on the host: no synchronisation
-        return torch.nonzero_static(alive, size=state.real).squeeze(1)  # (T,)
-    return alive.nonzero().squeeze(1)  # (T,)
+        idx = torch.nonzero_static(alive, size=state.real).squeeze(1)  # (T,)
+    else:
+        idx = alive.nonzero().squeeze(1)  # (T,)
+    state.packed = (state.keep, idx)
+    return idx
 
 
 def _tokenwise(fn, x: Tensor, idx: Tensor | None, residual: Tensor | None = None) -> Tensor:
