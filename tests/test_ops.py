@@ -366,3 +366,27 @@ def test_contract_merges_into_survivors_and_compacts_in_order():
     with HostSyncs() as syncs:
         again = ops.contract(alive, x, size, None, merge, dst, counts=[4, 2])
     assert syncs.count == 0 and torch.equal(again[0], out)
+
+
+@pytest.mark.parametrize("kind", ["mean", "cls"])
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+def test_importance_from_log_sum_exp_equals_the_explicit_probabilities(kind, masked):
+    """Issue #17: a fused kernel's output and log-sum-exp, plus one q k^T pass (in row chunks), give the
+    explicit attention's output and importance scores within 1e-12 (float64), with log sizes and removed keys."""
+    g = torch.Generator().manual_seed(0)
+    B, H, N, D = 3, 4, 11, 8
+    q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(3))
+    ls = torch.rand(B, N, generator=g, dtype=torch.float64).mul(2).log1p()
+    keep = torch.ones(B, N, dtype=torch.float64)
+    if masked:
+        keep[0, 7:] = 0  # padding
+        keep[2, [3, 5]] = 0
+    keep_arg = keep if masked else None
+    out, probs = ops.masked_attention(q, k, v, 0.3, keep_arg, ls)
+    expected = ops.importance_scores(probs, keep_arg, kind)
+    bias = ls.masked_fill(keep <= 0.5, float("-inf"))[:, None, None, :]
+    fused_out, lse = ops.attention_with_lse(q, k, v, 0.3, bias)
+    got = ops.importance_from_lse(q, k, lse, 0.3, bias, keep_arg, kind, chunk=B * H * N * 4)  # 4-row chunks
+    assert torch.allclose(got, expected, atol=1e-12, rtol=0), (got - expected).abs().max()
+    real = keep > 0.5
+    assert torch.allclose(fused_out.transpose(1, 2)[real], out.transpose(1, 2)[real], atol=1e-12, rtol=0)

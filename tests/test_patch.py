@@ -102,6 +102,27 @@ def test_batch_equals_single_images(config, method, options):
         assert len(set(kept[:, -1].tolist())) > 1, "images should keep different numbers of tokens"
 
 
+@pytest.mark.parametrize("method,importance", [("ltmp", "mean"), ("ltp", "cls")])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_importance_from_log_sum_exp_makes_the_same_decisions(config, method, importance, batch):
+    """``Execution.importance_from_lse``: fused attention plus a log-sum-exp pass instead of explicit
+    probabilities; the same kept counts and logits within 1e-12 (float64) as the default."""
+    if importance == "cls" and config == "no-cls-avg":
+        pytest.skip("class attention needs a class token")
+    # class attention sums over the 3 heads: 3x the scale of the mean
+    thresholds = THRESHOLDS if importance == "mean" else dict(THRESHOLDS, prune_threshold=3 * 0.9 / 65)
+    model = patched(config, method, thresholds, importance=importance)
+    x = images(batch)
+    with torch.no_grad():
+        explicit = model(x)
+        kept = ltmp.stats(model).kept
+        model.ltmp_config.execution.importance_from_lse = True
+        fused = model(x)
+    assert torch.equal(ltmp.stats(model).kept, kept)
+    assert int(kept[:, -1].min()) < 64
+    assert torch.allclose(fused, explicit, atol=1e-12, rtol=0), (fused - explicit).abs().max()
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_merge_similarities_are_float32_under_autocast(batch, monkeypatch):
     """bf16 rounds similarities near 1 to steps of 1/256, which moves merge decisions; the single-image path

@@ -217,6 +217,71 @@ def importance_scores(probs: Tensor, keep: Tensor | None, kind: str) -> Tensor:
         return torch.bmm(w[:, None, :].repeat(1, 1, H), probs.reshape(B, H * N, N)).squeeze(1)  # (B, N)
 
 
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None
+                       ) -> tuple[Tensor, Tensor] | None:
+    """A fused attention kernel that also returns the log-sum-exp of each query row, or None where none is at hand.
+
+    CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``; CUDA: the memory-efficient kernel
+    (``aten._scaled_dot_product_efficient_attention``, whose log-sum-exp may be padded past N). Eval only (no
+    dropout, no gradient to a mask).
+
+    Args:
+        q, k, v: (B, H, N, D).
+        bias: (B, 1, 1, N) additive bias of the keys (log size, -inf where removed), or None.
+
+    Returns:
+        out (B, H, N, D) and lse (B, H, N) in at least float32, ``logsumexp_j(scale q_i . k_j + bias_j)``.
+    """
+    B, H, N, _ = q.shape
+    mask = None if bias is None else cast(bias, q.dtype).expand(B, H, N, N)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+    elif q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, scale=scale)[:2]
+    else:
+        return None
+    return out, lse[..., :N]
+
+
+def importance_from_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, bias: Tensor | None, keep: Tensor | None,
+                        kind: str, chunk: int = 1 << 22) -> Tensor:
+    """:func:`importance_scores` from the log-sum-exp of a fused attention kernel, without its probabilities.
+
+    The probability of query i for key j is ``exp(scale q_i . k_j + bias_j - lse_i)`` (eq. 6), so one more
+    ``q k^T`` pass gives them back: for ``"cls"`` only row 0 (O(N) per head), for ``"mean"`` every row, in
+    chunks of query rows of about ``chunk`` elements, summed into the column means as they come (the (B, H, N, N)
+    matrix never exists at once). In at least float32, as the explicit probabilities.
+
+    Args:
+        q, k: (B, H, N, D); lse: (B, H, N) from :func:`attention_with_lse`; bias: (B, 1, 1, N) or None.
+        keep: (B, N) survivors (None: all); kind: ``"mean"`` (eq. 17) or ``"cls"`` (eq. 16).
+
+    Returns:
+        (B, N) scores.
+    """
+    B, H, N, _ = q.shape
+    dt = torch.promote_types(lse.dtype, torch.float32)
+    kt = k.transpose(-2, -1)  # (B, H, D, N)
+    b = None if bias is None else cast(bias, dt)  # (B, 1, 1, N)
+
+    def probs(rows: slice) -> Tensor:  # (B, H, n, N) probabilities of these query rows
+        s = cast(q[:, :, rows] @ kt, dt) * scale  # (B, H, n, N)
+        if b is not None:
+            s = s + b
+        return (s - cast(lse[:, :, rows, None], dt)).exp_()
+
+    if kind == "cls":
+        return probs(slice(0, 1))[:, :, 0].sum(dim=1)  # (B, N)
+    w = q.new_ones(B, N, dtype=dt) if keep is None else (keep > 0.5).to(dt)  # (B, N) query rows averaged over
+    w = w / (H * w.sum(dim=1, keepdim=True))  # (B, N)
+    step = max(1, chunk // max(1, B * H * N))
+    total = None
+    for i in range(0, N, step):
+        part = torch.einsum("bhqn,bq->bn", probs(slice(i, i + step)), w[:, i:i + step])  # (B, N)
+        total = part if total is None else total + part
+    return total
+
+
 def bipartite_sets(keep: Tensor, num_prefix: int) -> tuple[Tensor, Tensor]:
     """The alternating A/B split of ToMe over the surviving tokens, in their order.
 

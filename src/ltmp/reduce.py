@@ -57,6 +57,10 @@ class Execution:
     static_rates: bool = True  # fixed rates in eval: the static-shape step without host reads (_reduce_fixed)
     single_image: bool = True  # one image in eval: the index-list step (_reduce_single), fewer operator calls
     fused_attention: bool = True  # scaled_dot_product_attention where no probabilities are needed
+    #: pruning in eval without gradients: attention from a fused kernel that returns its log-sum-exp, and the
+    #: importance scores from one more q k^T pass (ops.importance_from_lse) instead of explicit fp32
+    #: probabilities. Off: on the 2-core CPU it is slower (docs/performance.md); not yet measured on a GPU.
+    importance_from_lse: bool = False
     pack_above: float = 0.05  # padded eval batches run token-wise layers packed above this share of padding
     max_buckets: int = 4  # padded eval batches run attention in at most this many groups (1: never group)
     #: fixed cost of one more attention group in multiply-accumulates, per device type; a device not listed never

@@ -326,26 +326,41 @@ def _buckets(state: TokenState, attn, cfg: ReduceConfig) -> list[tuple[list[int]
 
 def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: Tensor | None, cfg: ReduceConfig):
     """Attention of eq. 5-7 on (B, H, N, D) q, k, v: the output (B, N, C) and, if the method prunes, the
-    importance scores (B, N) of eq. 16/17, taken while the (B, H, N, N) probabilities are still in cache."""
+    importance scores (B, N) of eq. 16/17, taken while the (B, H, N, N) probabilities are still in cache, or, with
+    ``Execution.importance_from_lse`` in eval without gradients, from a fused kernel's log-sum-exp."""
     B, _, N, _ = q.shape
     importance = None
-    if cfg.needs_importance or not (attn.fused_attn and cfg.execution.fused_attention) \
-            or (keep is not None and keep.requires_grad) \
+    e = cfg.execution
+    hard = keep is None or not keep.requires_grad
+    fused = None  # (out, lse) of a fused kernel
+    if cfg.needs_importance and e.importance_from_lse and hard and not torch.is_grad_enabled() \
+            and not attn.training and not is_exporting():
+        bias = _key_bias(keep, ls, q.dtype)  # (B, 1, 1, N) or None
+        fused = ops.attention_with_lse(q, k, v, attn.scale, bias)
+    if fused is not None:
+        o, lse = fused  # (B, H, N, D), (B, H, N)
+        importance = ops.importance_from_lse(q, k, lse, attn.scale, bias, keep, cfg.importance)  # (B, N)
+    elif cfg.needs_importance or not (attn.fused_attn and e.fused_attention) or not hard \
             or is_exporting():  # SDPA's mask broadcasting would guard on the symbolic token count
         o, probs = ops.masked_attention(q, k, v, attn.scale, keep, ls, attn.attn_drop, cfg.mask_grad)  # (B, H, N, D)
         if cfg.needs_importance:
             importance = ops.importance_scores(probs, keep, cfg.importance)  # (B, N)
         del probs
     else:  # hard masks only: a fused kernel with an additive bias does the same
-        bias = None
-        if keep is not None or ls is not None:
-            bias = ls if ls is not None else torch.zeros_like(keep)
-            if keep is not None:
-                bias = bias.masked_fill(keep <= 0.5, float("-inf"))
-            bias = ops.cast(bias[:, None, None, :], q.dtype)  # (B, 1, 1, N)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=_key_bias(keep, ls, q.dtype),
                                            dropout_p=attn.attn_drop.p if attn.training else 0.0)
     return o.transpose(1, 2).reshape(B, N, attn.attn_dim), importance  # (B, N, C), (B, N) or None
+
+
+def _key_bias(keep: Tensor | None, ls: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The additive attention bias (B, 1, 1, N) of hard masks: log size (proportional attention), -inf for
+    removed keys; None when there is neither."""
+    if keep is None and ls is None:
+        return None
+    bias = ls if ls is not None else torch.zeros_like(keep)
+    if keep is not None:
+        bias = bias.masked_fill(keep <= 0.5, float("-inf"))
+    return ops.cast(bias[:, None, None, :], dtype)  # (B, 1, 1, N)
 
 
 def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buckets) -> tuple:
