@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# Everything issue #5 asks of a GPU, in one call (a lent GPU machine is held for minutes only):
+# What a lent GPU should measure, in one call of at most 10 minutes (the device is lent for minutes only).
+# Default STEPS, in order of importance (about 9 minutes in all, each step bounded):
+#   targets  issue #17's targets (benchmarks/targets.py, stops starting rows after 7 minutes): DeiT-S and ViT-B
+#            shapes, fp32 batch 32 and bf16 batch 256, LTMP at r_FLOPs 0.5, ToMe and top-k at its GMACs, the
+#            reference ToMe's own patch if TOME_REF names a checkout of facebookresearch/ToMe; eager first, then
+#            compiled (CUDA graphs for dense and fixed rates)
+#   profile  wall time against GPU kernel time per forward, DeiT-S batch 32 (benchmarks/profile_step.py)
+# Further steps (STEPS="..."), each several minutes:
 #   check    correctness of the CUDA paths (benchmarks/cuda_check.py)
 #   speed    benchmarks/speed.py unchanged on CUDA (fp32: the CPU run's settings)
-#   profile  wall time against GPU kernel time per forward, DeiT-S batch 32 (benchmarks/profile_step.py)
 #   vitb     benchmarks/speed.py on the ViT-B shape, bf16 autocast, batch 256 (a model that keeps the GPU busier)
 #   bf16     benchmarks/speed.py on DeiT-S, bf16 autocast, batch 256
 #   cli      ltmp bench and a short torchrun training run on CUDA
 #   grouping attention in groups of similar token counts on CUDA (off by default there)
+#   lse      importance from the fused kernel's log-sum-exp against explicit probabilities (profile_step --lse)
 #   compile  speed.py with every model under torch.compile (Inductor/Triton), fp32; ltmp bench --compile with
 #            learned (calibrated) and ToMe thresholds; a compiled training run
 #   compile-vitb  the same speed.py on the ViT-B shape, bf16 autocast, batch 256
-#            (neither compile step is in the default STEPS yet: never run on a GPU; see docs/performance.md)
-# Usage: [STEPS="check speed"] bash benchmarks/gpu.sh OUTDIR   (needs ltmp importable: PYTHONPATH=src:benchmarks)
+# Usage: [STEPS="check speed"] [TOME_REF=DIR] bash benchmarks/gpu.sh OUTDIR   (PYTHONPATH=src:benchmarks)
+# TOME_REF: facebookresearch/ToMe's code is not part of ltmp; to time it, put a copy in an ignored folder here,
+#   e.g. `git -C MIRROR archive HEAD tome | tar -x -C .gpu/ToMe`, carry .gpu, and pass TOME_REF=.gpu/ToMe.
 # Results go to OUTDIR as they come, so a run cut short still leaves what it finished.
 # How the logs in results/gpu-run*.log were made, on a machine with torch but another timm and without ../shared:
 #   pip download --no-deps timm==1.0.31 -d .whl; cp -r ../shared/models/vit-cifar10 .gpu/   (here, both carried)
@@ -20,7 +28,7 @@
 # (without ../shared, speed.py falls back to the package's fp16 copy of the CIFAR model).
 set -u
 OUT=${1:?usage: gpu.sh OUTDIR}
-STEPS=${STEPS:-check speed profile vitb bf16 cli grouping}
+STEPS=${STEPS:-targets profile}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
@@ -33,6 +41,25 @@ step environment
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
 run $PY -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, torch.cuda.get_device_name())"
 
+if want targets; then
+    step "issue #17 targets: DeiT-S and ViT-B, fp32 batch 32 and bf16 batch 256, eager then compiled"
+    run timeout 450 $PY benchmarks/targets.py --device cuda --budget 420 --json "$OUT/targets-cuda.json" \
+        ${TOME_REF:+--tome-ref "$TOME_REF"}
+fi
+if want profile; then
+    for m in ltmp tome; do
+        step "profile on CUDA: DeiT-S batch 32, $m at r 0.5"
+        run timeout 45 $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 \
+            --method $m --target 0.5 --device cuda --summary
+    done
+fi
+if want lse; then
+    step "importance from the log-sum-exp (profile_step --lse), DeiT-S batch 32, bf16"
+    run $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 --target 0.5 \
+        --device cuda --amp --summary
+    run $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 --target 0.5 \
+        --device cuda --amp --lse --summary
+fi
 if want check; then
     step "CUDA == CPU checks"
     run $PY benchmarks/cuda_check.py
@@ -40,12 +67,6 @@ fi
 if want speed; then
     step "speed.py on CUDA, fp32 (the CPU run's settings)"
     run $PY benchmarks/speed.py --device cuda --json "$OUT/speed-cuda.json" --out "$OUT/speed-cuda.md"
-fi
-if want profile; then
-    for m in ltmp tome; do
-        step "profile on CUDA: DeiT-S batch 32, $m at r 0.7"
-        run $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 --method $m --device cuda
-    done
 fi
 if want vitb; then
     step "speed.py on CUDA, ViT-B shape, bf16 autocast, batch 256"

@@ -37,6 +37,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--device", default="cpu")
     p.add_argument("--summary", action="store_true", help="no operator tables")
+    p.add_argument("--lse", action="store_true", help="importance from a fused kernel's log-sum-exp "
+                                                       "(Execution.importance_from_lse)")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast")
     args = p.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -49,11 +52,12 @@ def main() -> None:
         with torch.no_grad():
             red(x)
         red = at_gmacs(dense, args.method, float(ltmp.gmacs(spec, ltmp.stats(red).kept.cpu()).mean()))
+    red.ltmp_config.execution.importance_from_lse = args.lse
     batches = [x[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.forwards)]
     print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}" + ("" if learned else " (LTMP's; matched GMACs)"))
     for name, m in (("dense", dense), (args.method, red)):
         m.eval()
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
             for b in batches:
                 m(b)
             walls = []
