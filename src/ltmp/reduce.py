@@ -243,7 +243,7 @@ def reduce_step(
     if kind == "single":
         return _reduce_single(x, state, cfg, importance, metric, merge_threshold, prune_threshold, rate)
     if kind == "compact":
-        return _reduce_compact(x, state, cfg, importance, metric, merge_threshold, prune_threshold)
+        return _reduce_compact(x, state, cfg, layer, importance, metric, merge_threshold, prune_threshold)
     P = cfg.num_prefix
     keep, size, source = state.keep, state.size, state.source
     # eq. 3: the tokens this block's modules consider take this block's masks, (1 - M_merge) * M_prune for a token
@@ -252,22 +252,8 @@ def reduce_step(
     merged = pruned = x.new_zeros(B, dtype=torch.long)
     for op in cfg.ops:
         if op == "merge":
-            if state.compact and keep is state.keep:  # survivors still contiguous: ToMe's even/odd split
-                score, dst, is_a = ops.best_match_contiguous(metric, keep, P)  # (B, N) each
-                n_b = (keep > 0.5).sum(1) // 2 - P // 2  # (B,) odd positions past the prefix
-            else:
-                is_a, is_b = ops.bipartite_sets(keep, P)  # (B, N) each
-                score, dst = ops.best_match(metric, is_a, is_b)  # (B, N) each
-                n_b = is_b.sum(1)
-            if cfg.capture is not None and importance is not None:
-                cfg.capture.append((layer, importance.detach().cpu(), score.detach().cpu(), is_a.cpu()))
-            if cfg.learned:
-                if cfg.fit is not None:
-                    fit_threshold(merge_threshold, score[is_a], cfg.fit[0], largest=True)
-                merge = ops.threshold_mask(score, merge_threshold, cfg.tau) * is_a  # (B, N)
-            else:
-                k = torch.minimum(is_a.sum(1), n_b).clamp(max=rate)  # (B,)
-                merge = ops.topk_mask(score, is_a, k, largest=True).to(x.dtype)  # (B, N)
+            merge, dst, is_a = _merge_decision(cfg, layer, keep, state.compact and keep is state.keep, importance,
+                                               metric, merge_threshold, rate, x.dtype)  # (B, N) each
             hard = merge.detach() > 0.5  # (B, N)
             # no host check of whether anything merged: a merge of nothing returns the tokens bit-identical
             weights = merge if cfg.merge_grad == "average" else merge.detach()  # (B, N)
@@ -280,20 +266,7 @@ def reduce_step(
             state = dataclasses.replace(state, merged_once=True, masked_once=True)
             merged = hard.sum(1)
         else:
-            cand = keep > 0.5  # (B, N)
-            cand[:, :P] = False
-            if cfg.learned:
-                if cfg.fit is not None:
-                    fit_threshold(prune_threshold, importance[cand], cfg.fit[1], largest=False)
-                pm = ops.threshold_mask(importance, prune_threshold, cfg.tau)  # (B, N) 1 = keep
-                drop = cand & (pm.detach() <= 0.5)
-            else:
-                drop = ops.topk_mask(importance, cand, torch.full_like(merged, rate), largest=False)
-                pm = (~drop).to(x.dtype)
-            if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
-                spare = _spare(importance, cand, drop)  # (B, N)
-                pm = pm + (spare & drop).to(pm.dtype)
-                drop = drop & ~spare
+            pm, drop, cand = _prune_decision(cfg, keep, importance, prune_threshold, rate, x.dtype)  # (B, N) each
             pm = torch.where(cand, pm, torch.ones_like(pm))  # (B, N)
             factor = pm if factor is None else factor * pm
             touched = cand if touched is None else touched | cand
@@ -309,18 +282,73 @@ def reduce_step(
     return x, dataclasses.replace(state, size=size, keep=keep, source=source), result
 
 
-def _spare(importance: Tensor, cand: Tensor, drop: Tensor) -> Tensor:
-    """``keep_one``: the most important candidate (B, N) bool of each image whose every candidate ``cand`` would
-    be pruned (``drop``), so that it keeps one patch token."""
-    top = importance.detach().float().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
-    return torch.zeros_like(cand).scatter_(1, top, True) & (drop & cand).sum(1, keepdim=True).eq(
-        cand.sum(1, keepdim=True))  # (B, N)
+def _merge_decision(cfg: ReduceConfig, layer: int, keep: Tensor, contiguous: bool, importance: Tensor | None,
+                    metric: Tensor, merge_threshold: Tensor | None, rate: int, dtype: torch.dtype
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """Which tokens merge, and into which: the one merge decision of the masked and the compact step.
+
+    Set A and B alternate over the survivors (ToMe's even/odd split when they are ``contiguous``, as after
+    compaction); an A token merges into its most similar B token where the similarity passes the learned threshold
+    (eq. 1), or for fixed rates where it is among the ``rate`` best matched (ties to the earlier position).
+
+    Returns:
+        The merge mask (B, N) in ``dtype`` (straight-through in train mode, eq. 2), the destinations (B, N) and
+        set A (B, N).
+    """
+    P = cfg.num_prefix
+    if contiguous:  # survivors at the front of each row: ToMe's even/odd split
+        score, dst, is_a = ops.best_match_contiguous(metric, keep, P)  # (B, N) each
+        n_b = (keep > 0.5).sum(1) // 2 - P // 2  # (B,) odd positions past the prefix
+    else:
+        is_a, is_b = ops.bipartite_sets(keep, P)  # (B, N) each
+        score, dst = ops.best_match(metric, is_a, is_b)  # (B, N) each
+        n_b = is_b.sum(1)
+    if cfg.capture is not None and importance is not None:
+        cfg.capture.append((layer, importance.detach().cpu(), score.detach().cpu(), is_a.cpu()))
+    if cfg.learned:
+        if cfg.fit is not None:
+            fit_threshold(merge_threshold, score[is_a], cfg.fit[0], largest=True)
+        return ops.threshold_mask(score, merge_threshold, cfg.tau) * is_a, dst, is_a  # (B, N) eq. 1-2
+    k = torch.minimum(is_a.sum(1), n_b).clamp(max=rate)  # (B,)
+    return ops.topk_mask(score, is_a, k, largest=True).to(dtype), dst, is_a
+
+
+def _prune_decision(cfg: ReduceConfig, keep: Tensor, importance: Tensor, prune_threshold: Tensor | None, rate: int,
+                    dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Which surviving patch tokens are pruned: the one prune decision of the masked and the compact step.
+
+    A candidate is kept where its importance passes the learned threshold (eq. 1), or for fixed rates unless it
+    is among the ``rate`` least important (ties to the earlier position); with ``keep_one`` an image's most
+    important candidate is spared when every candidate would go.
+
+    Returns:
+        The keep mask of the candidates (B, N) in ``dtype`` (straight-through in train mode), the pruned tokens
+        (B, N) bool and the candidates (B, N) bool.
+    """
+    cand = keep > 0.5  # (B, N)
+    cand[:, :cfg.num_prefix] = False
+    if cfg.learned:
+        if cfg.fit is not None:
+            fit_threshold(prune_threshold, importance[cand], cfg.fit[1], largest=False)
+        pm = ops.threshold_mask(importance, prune_threshold, cfg.tau)  # (B, N) 1 = keep, eq. 1-2
+        drop = cand & (pm.detach() <= 0.5)
+    else:
+        drop = ops.topk_mask(importance, cand, cand.new_full(cand.shape[:1], rate, dtype=torch.long), largest=False)
+        pm = (~drop).to(dtype)
+    if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
+        top = importance.detach().float().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
+        spare = torch.zeros_like(cand).scatter_(1, top, True) & (drop & cand).sum(1, keepdim=True).eq(
+            cand.sum(1, keepdim=True))  # (B, N)
+        pm = pm + (spare & drop).to(pm.dtype)
+        drop = drop & ~spare
+    return pm, drop, cand
 
 
 def _reduce_compact(
         x: Tensor,
         state: TokenState,
         cfg: ReduceConfig,
+        layer: int,
         importance: Tensor | None,
         metric: Tensor | None,
         merge_threshold: Tensor | None,
@@ -331,27 +359,21 @@ def _reduce_compact(
     masks, then merging and compaction in one scatter (:func:`ltmp.ops.contract`) instead of a merge pass, a
     mask bookkeeping pass and a compaction. One host synchronisation: the survivor counts.
     """
-    N, P = x.shape[1], cfg.num_prefix
+    P = cfg.num_prefix
     alive = state.keep > 0.5  # (B, N) survivors, at the front of each row
     merge = dst = None
     merged = pruned = x.new_zeros(x.shape[0], dtype=torch.long)
     for op in cfg.ops:
-        if op == "merge":
-            if cfg.ops[0] == "merge":  # survivors still contiguous: ToMe's even/odd split
-                score, dst, is_a = ops.best_match_contiguous(metric, alive, P)  # (B, N) each
-            else:  # ltpm: the split alternates over the survivors of pruning
-                is_a, is_b = ops.bipartite_sets(alive, P)  # (B, N) each
-                score, dst = ops.best_match(metric, is_a, is_b)  # (B, N) each
-            merge = (score > merge_threshold) & is_a  # (B, N) eq. 1
+        if op == "merge":  # ltpm merges after pruning: the split alternates over the survivors of pruning
+            merge, dst, _ = _merge_decision(cfg, layer, alive, cfg.ops[0] == "merge", importance, metric,
+                                            merge_threshold, 0, x.dtype)
+            merge = merge > 0.5  # (B, N)
             if importance is not None:
                 importance = ops.group_max(importance, merge, dst)  # (B, N)
             alive = alive & ~merge
             merged = merge.sum(1)
         else:
-            cand = alive & (torch.arange(N, device=x.device) >= P)  # (B, N) surviving patch tokens
-            drop = cand & (importance <= prune_threshold)  # (B, N) eq. 1: kept where importance > threshold
-            if cfg.keep_one:
-                drop = drop & ~_spare(importance, cand, drop)
+            _, drop, _ = _prune_decision(cfg, alive, importance, prune_threshold, 0, x.dtype)  # (B, N)
             alive = alive & ~drop
             pruned = drop.sum(1)
     x, size, source, keep, counts = ops.contract(alive, x, state.size, state.source, merge, dst)

@@ -1,0 +1,80 @@
+"""A/B: this checkout's ltmp against another commit's, on the same model, thresholds and images, in one process.
+
+The other commit's ``src/ltmp`` is unpacked (``git archive``) into a temporary folder as the package ``ltmp_base``
+(ltmp imports itself relatively, so both load side by side). LTMP gets thresholds calibrated to ``--target`` with
+this checkout's code, loaded into both; a fixed-rate ``--method`` gets the schedule at LTMP's GMACs. Prints whether
+both keep the same tokens, their largest logit difference, and paired time ratios (``ltmp.bench.paired_ratio``):
+each against dense, and this checkout against the other commit.
+
+    python benchmarks/ab.py --base HEAD~1 --model deit-s --batch-size 32
+    python benchmarks/ab.py --base 8fc40c6 --model cifar --batch-size 1 --method tome
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import ltmp
+from common import ROOT, at_gmacs, calibrated, load_images, load_model
+from ltmp.bench import compare_models, paired_ratio
+
+
+def load_base(commit: str, folder: Path):
+    """The package ``ltmp_base``: ``src/ltmp`` at ``commit``."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "src/ltmp"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    (folder / "src" / "ltmp").rename(folder / "ltmp_base")
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("ltmp_base")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base", required=True, help="the commit to compare against")
+    p.add_argument("--model", default="cifar", choices=["cifar", "deit-s", "vit-b"])
+    p.add_argument("--method", default="ltmp")
+    p.add_argument("--target", type=float, default=0.5)
+    p.add_argument("--batch-size", type=int, default=32, help="1: 8 single images per repetition")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=6)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base_pkg = load_base(args.base, Path(tmp))
+        dense = load_model(args.model).eval()
+        new, r = calibrated(dense, args.target, "cpu")
+        x = load_images(dense, "test", max(args.batch_size, 8))
+        if args.method == "ltmp":
+            base = base_pkg.patch(copy.deepcopy(dense), "ltmp").eval()
+            base.load_state_dict(new.state_dict())
+        else:
+            with torch.no_grad():
+                new(x)
+            g = float(ltmp.gmacs(ltmp.vit_spec(dense), ltmp.stats(new).kept.cpu()).mean())
+            new = at_gmacs(dense, args.method, g)
+            key = "r" if args.method == "tome" else "k"
+            base = base_pkg.patch(copy.deepcopy(dense), args.method, **{key: new.ltmp_config.rate}).eval()
+        inputs = x[:args.batch_size] if args.batch_size > 1 else [x[i:i + 1] for i in range(8)]
+        with torch.no_grad():
+            a, b = new(x[:8]), base(x[:8])
+            same = torch.equal(ltmp.stats(new).kept, base_pkg.stats(base).kept)
+            print(f"{args.model} {args.method} (calibrated r_FLOPs {r:.3f}), batch {args.batch_size}, this checkout "
+                  f"against {args.base}: same kept counts {same}, max |logit difference| "
+                  f"{float((a - b).abs().max()):.2e}")
+            timed = compare_models({"dense": dense, "new": new, "base": base}, inputs, warmup=1, reps=args.reps,
+                                   rounds=args.rounds)
+    for num, den in (("new", "dense"), ("base", "dense"), ("new", "base")):
+        v = paired_ratio(timed, num, den)
+        print(f"  {num} / {den}: {v['median']:.3f} (quartiles {v['p25']:.3f}-{v['p75']:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
