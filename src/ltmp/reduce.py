@@ -283,8 +283,8 @@ def reduce_step(
 
 
 def _merge_decision(cfg: ReduceConfig, layer: int, keep: Tensor, contiguous: bool, importance: Tensor | None,
-                    metric: Tensor, merge_threshold: Tensor | None, rate: int, dtype: torch.dtype
-                    ) -> tuple[Tensor, Tensor, Tensor]:
+                    metric: Tensor, merge_threshold: Tensor | None, rate: int, dtype: torch.dtype,
+                    hard: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Which tokens merge, and into which: the one merge decision of the masked and the compact step.
 
     Set A and B alternate over the survivors (ToMe's even/odd split when they are ``contiguous``, as after
@@ -292,29 +292,33 @@ def _merge_decision(cfg: ReduceConfig, layer: int, keep: Tensor, contiguous: boo
     (eq. 1), or for fixed rates where it is among the ``rate`` best matched (ties to the earlier position).
 
     Returns:
-        The merge mask (B, N) in ``dtype`` (straight-through in train mode, eq. 2), the destinations (B, N) and
-        set A (B, N).
+        The merge mask (B, N) in ``dtype`` (straight-through in train mode, eq. 2; bool if ``hard``), the
+        destinations (B, N) and set A (B, N).
     """
     P = cfg.num_prefix
+    is_b = None
     if contiguous:  # survivors at the front of each row: ToMe's even/odd split
         score, dst, is_a = ops.best_match_contiguous(metric, keep, P)  # (B, N) each
-        n_b = (keep > 0.5).sum(1) // 2 - P // 2  # (B,) odd positions past the prefix
     else:
         is_a, is_b = ops.bipartite_sets(keep, P)  # (B, N) each
         score, dst = ops.best_match(metric, is_a, is_b)  # (B, N) each
-        n_b = is_b.sum(1)
     if cfg.capture is not None and importance is not None:
         cfg.capture.append((layer, importance.detach().cpu(), score.detach().cpu(), is_a.cpu()))
     if cfg.learned:
         if cfg.fit is not None:
             fit_threshold(merge_threshold, score[is_a], cfg.fit[0], largest=True)
+        if hard:
+            return (score > merge_threshold) & is_a, dst, is_a  # (B, N) eq. 1
         return ops.threshold_mask(score, merge_threshold, cfg.tau) * is_a, dst, is_a  # (B, N) eq. 1-2
+    # B tokens past the prefix: odd positions when contiguous
+    n_b = (keep > 0.5).sum(1) // 2 - P // 2 if is_b is None else is_b.sum(1)  # (B,)
     k = torch.minimum(is_a.sum(1), n_b).clamp(max=rate)  # (B,)
-    return ops.topk_mask(score, is_a, k, largest=True).to(dtype), dst, is_a
+    merge = ops.topk_mask(score, is_a, k, largest=True)  # (B, N)
+    return (merge if hard else merge.to(dtype)), dst, is_a
 
 
 def _prune_decision(cfg: ReduceConfig, keep: Tensor, importance: Tensor, prune_threshold: Tensor | None, rate: int,
-                    dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+                    dtype: torch.dtype, hard: bool = False) -> tuple[Tensor | None, Tensor, Tensor]:
     """Which surviving patch tokens are pruned: the one prune decision of the masked and the compact step.
 
     A candidate is kept where its importance passes the learned threshold (eq. 1), or for fixed rates unless it
@@ -322,24 +326,29 @@ def _prune_decision(cfg: ReduceConfig, keep: Tensor, importance: Tensor, prune_t
     important candidate is spared when every candidate would go.
 
     Returns:
-        The keep mask of the candidates (B, N) in ``dtype`` (straight-through in train mode), the pruned tokens
-        (B, N) bool and the candidates (B, N) bool.
+        The keep mask of the candidates (B, N) in ``dtype`` (straight-through in train mode; None if ``hard``),
+        the pruned tokens (B, N) bool and the candidates (B, N) bool.
     """
     cand = keep > 0.5  # (B, N)
     cand[:, :cfg.num_prefix] = False
+    pm = None
     if cfg.learned:
         if cfg.fit is not None:
             fit_threshold(prune_threshold, importance[cand], cfg.fit[1], largest=False)
-        pm = ops.threshold_mask(importance, prune_threshold, cfg.tau)  # (B, N) 1 = keep, eq. 1-2
-        drop = cand & (pm.detach() <= 0.5)
+        if hard:
+            drop = cand & (importance <= prune_threshold)  # (B, N) eq. 1: kept where importance > threshold
+        else:
+            pm = ops.threshold_mask(importance, prune_threshold, cfg.tau)  # (B, N) 1 = keep, eq. 1-2
+            drop = cand & (pm.detach() <= 0.5)
     else:
         drop = ops.topk_mask(importance, cand, cand.new_full(cand.shape[:1], rate, dtype=torch.long), largest=False)
-        pm = (~drop).to(dtype)
+        pm = None if hard else (~drop).to(dtype)
     if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
         top = importance.detach().float().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
         spare = torch.zeros_like(cand).scatter_(1, top, True) & (drop & cand).sum(1, keepdim=True).eq(
             cand.sum(1, keepdim=True))  # (B, N)
-        pm = pm + (spare & drop).to(pm.dtype)
+        if pm is not None:
+            pm = pm + (spare & drop).to(pm.dtype)
         drop = drop & ~spare
     return pm, drop, cand
 
@@ -366,14 +375,13 @@ def _reduce_compact(
     for op in cfg.ops:
         if op == "merge":  # ltpm merges after pruning: the split alternates over the survivors of pruning
             merge, dst, _ = _merge_decision(cfg, layer, alive, cfg.ops[0] == "merge", importance, metric,
-                                            merge_threshold, 0, x.dtype)
-            merge = merge > 0.5  # (B, N)
+                                            merge_threshold, 0, x.dtype, hard=True)  # (B, N) each
             if importance is not None:
                 importance = ops.group_max(importance, merge, dst)  # (B, N)
             alive = alive & ~merge
             merged = merge.sum(1)
         else:
-            _, drop, _ = _prune_decision(cfg, alive, importance, prune_threshold, 0, x.dtype)  # (B, N)
+            _, drop, _ = _prune_decision(cfg, alive, importance, prune_threshold, 0, x.dtype, hard=True)  # (B, N)
             alive = alive & ~drop
             pruned = drop.sum(1)
     x, size, source, keep, counts = ops.contract(alive, x, state.size, state.source, merge, dst)

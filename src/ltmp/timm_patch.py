@@ -446,6 +446,8 @@ def _whole_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig) -> tu
         idx = _packed_index(state, cfg)
         qkv = _tokenwise(lambda t: attn.qkv(blk.norm1(t)), x, idx)  # (B, N, 3C)
     qkv = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
+    if cfg.needs_importance:  # explicit attention: one copy of q, k and v instead of one each
+        qkv = qkv.contiguous()
     q, k, v = qkv.unbind(0)  # (B, H, N, D) each
     q, k = attn.q_norm(q), attn.k_norm(k)
     keep = state.keep if state.masked_once else None
