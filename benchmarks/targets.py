@@ -119,6 +119,9 @@ def main() -> int:
     # most important first: eager before compiled, then settings and shapes in the order given
     for mode in args.modes.split(","):
         for model_name in args.models.split(","):
+            if time.monotonic() - start > args.budget:
+                print(f"budget of {args.budget:.0f} s spent: skipping {model_name} {mode}")
+                continue
             dense = load_model(model_name).to(device).eval()
             red, r = calibrated(dense, 0.5, device)
             for setting in args.settings.split(","):

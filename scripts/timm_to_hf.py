@@ -10,7 +10,7 @@ q/k norms or registers (the layout of transformers' ViT). Needs ``pip install tr
         --data-dir ../shared/data/cifar10/cifar10-jpeg.tar.gz --images 10000
 
 Prints the largest logit difference and both models' top-1 on the images; writes ``save_pretrained`` (safetensors)
-to ``--output``. Exits non-zero when the top-1 differ.
+to ``--output``. Exits non-zero when any image's prediction differs between the two.
 """
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ def convert(model: nn.Module):
         why.append("no layer scale, no q/k norm")
     if not isinstance(model.fc_norm, nn.Identity) or not isinstance(model.norm_pre, nn.Identity):
         why.append("final norm before the head only")
+    if not isinstance(getattr(blk.attn, "norm", nn.Identity()), nn.Identity) \
+            or not isinstance(getattr(blk.mlp, "norm", nn.Identity()), nn.Identity):
+        why.append("no norms inside attention or MLP")
+    if not isinstance(blk.mlp.act, nn.GELU) or getattr(blk.mlp.act, "approximate", "none") != "none":
+        why.append("exact GELU")
+    if blk.attn.proj.bias is None or blk.mlp.fc1.bias is None or blk.mlp.fc2.bias is None:
+        why.append("biases on the projection and MLP layers")
+    if len(set(model.patch_embed.img_size)) != 1:
+        why.append("square images")
     if why:
         raise SystemExit(f"timm_to_hf.py converts ViTs with {'; '.join(why)}; {type(model).__name__} differs")
     C, patch = model.embed_dim, model.patch_embed.patch_size[0]

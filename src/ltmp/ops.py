@@ -233,12 +233,24 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tens
         out (B, H, N, D) and lse (B, H, N) in at least float32, ``logsumexp_j(scale q_i . k_j + bias_j)``.
     """
     B, H, N, _ = q.shape
-    mask = None if bias is None else cast(bias, q.dtype).expand(B, H, N, N)
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
-    elif q.device.type == "cuda":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, scale=scale)[:2]
-    else:
+    if not (q.dtype == k.dtype == v.dtype):
+        return None
+    mask = None
+    try:
+        if q.device.type == "cpu":
+            mask = None if bias is None else cast(bias, q.dtype).expand(B, H, N, N)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask,
+                                                                                   scale=scale)
+        elif q.device.type == "cuda" and q.dtype != torch.float64:
+            if bias is not None:  # the kernel wants the bias rows aligned (as SDPA pads them): 16 columns
+                width = -(-N // 16) * 16
+                mask = bias.new_zeros(B, 1, 1, width, dtype=q.dtype)
+                mask[..., :N] = bias
+                mask = mask[..., :N].expand(B, H, N, N)
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, scale=scale)[:2]
+        else:
+            return None
+    except (AttributeError, NotImplementedError, RuntimeError):  # an older torch or an unsupported shape
         return None
     return out, lse[..., :N]
 
@@ -277,7 +289,9 @@ def importance_from_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, bias: T
     step = max(1, chunk // max(1, B * H * N))
     total = None
     for i in range(0, N, step):
-        part = torch.einsum("bhqn,bq->bn", probs(slice(i, i + step)), w[:, i:i + step])  # (B, N)
+        p = probs(slice(i, i + step))  # (B, H, n, N)
+        with _autocast_off(q.device.type):  # the sum in the probabilities' precision, as importance_scores
+            part = torch.einsum("bhqn,bq->bn", p, w[:, i:i + step])  # (B, N)
         total = part if total is None else total + part
     return total
 
@@ -461,7 +475,7 @@ def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = Non
         alive: (B, N) bool, the tokens that survive the block.
         x: (B, N, C) tokens; size: (B, N) patches per token; source: (B, N, N0) patch map, or None.
         merge: (B, N) bool, tokens merged away into ``dst`` (B, N) positions, or None.
-        counts: each image's survivors, if known on the host (fixed rates): nothing is read back.
+        counts: each image's survivors, if known on the host: then nothing is read back.
 
     Returns:
         x (B, N', C), size (B, N'), source (B, N', N0) or None, the new keep mask (B, N') and ``counts`` (read
@@ -474,8 +488,7 @@ def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = Non
     n_new = max(counts)
     slot = alive.long().cumsum(1) - 1  # (B, N) rank among the survivors
     target = torch.where(alive, slot, n_new)  # (B, N); removed tokens go to the dump slot n_new
-    if merge is not None:  # a token merged into a survivor joins its slot; into a pruned token: the dump
-        target = torch.where(merge & alive.gather(1, dst), slot.gather(1, dst), target)  # (B, N)
+    # below, a token merged into a survivor joins its slot (into a pruned token: the dump)
 
     def scatter(t: Tensor, add: bool) -> Tensor:  # t (B, N, ...) into (B, N', ...)
         index = target.view(B, N, *([1] * (t.dim() - 2))).expand_as(t)
@@ -483,10 +496,12 @@ def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = Non
         return (out.scatter_add_(1, index, t) if add else out.scatter_(1, index, t))[:, :n_new]
 
     if merge is None:  # survivors only: exact copies
-        x, size = scatter(x, False), scatter(size, False)
-    else:
+        x, size = scatter(x, False), scatter(size, False)  # (B, N', C), (B, N')
+    else:  # every survivor becomes the size-weighted average of its group (one pass: those that received
+        # nothing are x * s / s, equal to x up to rounding, as a batched matmul differs from a single one)
         dt = torch.promote_types(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
         s = cast(size, dt)  # (B, N)
+        target = torch.where(merge & alive.gather(1, dst), slot.gather(1, dst), target)  # (B, N)
         den = scatter(s, True)  # (B, N') sizes add up; 0 for padding
         x = cast(scatter(cast(x, dt) * s[..., None], True) / den.clamp(min=1)[..., None], x.dtype)  # (B, N', C)
         size = cast(den, size.dtype)

@@ -336,7 +336,7 @@ def _prune_decision(cfg: ReduceConfig, keep: Tensor, importance: Tensor, prune_t
         if cfg.fit is not None:
             fit_threshold(prune_threshold, importance[cand], cfg.fit[1], largest=False)
         if hard:
-            drop = cand & (importance <= prune_threshold)  # (B, N) eq. 1: kept where importance > threshold
+            drop = cand & ~(importance > prune_threshold)  # (B, N) eq. 1: kept where importance > threshold
         else:
             pm = ops.threshold_mask(importance, prune_threshold, cfg.tau)  # (B, N) 1 = keep, eq. 1-2
             drop = cand & (pm.detach() <= 0.5)
@@ -385,7 +385,7 @@ def _reduce_compact(
             alive = alive & ~drop
             pruned = drop.sum(1)
     x, size, source, keep, counts = ops.contract(alive, x, state.size, state.source, merge, dst)
-    kept = keep[:, P:].sum(1)  # (B,)
+    kept = (keep[:, P:] > 0.5).sum(1)  # (B,)
     state = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts,
                                 merged_once=state.merged_once or merge is not None,
                                 masked_once=sum(counts) < keep.numel())

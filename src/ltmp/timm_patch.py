@@ -333,8 +333,8 @@ def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: T
     e = cfg.execution
     hard = keep is None or not keep.requires_grad
     fused = None  # (out, lse) of a fused kernel
-    if cfg.needs_importance and e.importance_from_lse and hard and not torch.is_grad_enabled() \
-            and not attn.training and not is_exporting():
+    if cfg.needs_importance and e.importance_from_lse and e.fused_attention and hard \
+            and not torch.is_grad_enabled() and not attn.training and not is_exporting():
         bias = _key_bias(keep, ls, q.dtype)  # (B, 1, 1, N) or None
         fused = ops.attention_with_lse(q, k, v, attn.scale, bias)
     if fused is not None:
@@ -446,7 +446,7 @@ def _whole_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig) -> tu
         idx = _packed_index(state, cfg)
         qkv = _tokenwise(lambda t: attn.qkv(blk.norm1(t)), x, idx)  # (B, N, 3C)
     qkv = qkv.reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
-    if cfg.needs_importance:  # explicit attention: one copy of q, k and v instead of one each
+    if cfg.needs_importance:  # explicit attention (or the lse pass): one copy of q, k and v, not one each
         qkv = qkv.contiguous()
     q, k, v = qkv.unbind(0)  # (B, H, N, D) each
     q, k = attn.q_norm(q), attn.k_norm(k)
