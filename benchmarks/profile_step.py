@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--lse", action="store_true", help="importance from a fused kernel's log-sum-exp "
                                                        "(Execution.importance_from_lse)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
+    p.add_argument("--max-buckets", type=int, help="Execution.max_buckets (1: attention never in groups)")
     args = p.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -53,6 +54,8 @@ def main() -> None:
             red(x)
         red = at_gmacs(dense, args.method, float(ltmp.gmacs(spec, ltmp.stats(red).kept.cpu()).mean()))
     red.ltmp_config.execution.importance_from_lse = args.lse
+    if args.max_buckets is not None:
+        red.ltmp_config.execution.max_buckets = args.max_buckets
     batches = [x[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.forwards)]
     print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}" + ("" if learned else " (LTMP's; matched GMACs)"))
     for name, m in (("dense", dense), (args.method, red)):
