@@ -31,11 +31,17 @@ def model_name(model: nn.Module) -> str:
     return str(cfg.get("architecture") or type(model).__name__)
 
 
+#: The model family whose blocks a threshold file's values belong to (files from before it was recorded: timm).
+#: Issue #19 adds families outside timm; a file applies only to its own family.
+FAMILY = "timm"
+
+
 def describe(model: nn.Module) -> dict[str, str]:
     """The metadata that says which models a threshold file fits."""
     model = _unwrap(model)
     pe = model.patch_embed
     return {
+        "family": FAMILY,
         "depth": str(len(model.blocks)),
         "embed_dim": str(model.embed_dim),
         "num_prefix_tokens": str(model.num_prefix_tokens),
@@ -143,6 +149,9 @@ def load_thresholds(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     tensors, meta = read_thresholds(path)
     target = _unwrap(model)
     have = describe(target)
+    if meta.get("family", "timm") != have["family"]:
+        raise LtmpError(f"thresholds in {path} were made for a {meta['family']} model ({meta.get('model')}) and this "
+                        f"is a {have['family']} model; use thresholds trained for this model")
     for key in ("depth", "embed_dim", "num_prefix_tokens"):
         if meta.get(key) != have[key]:
             raise LtmpError(
