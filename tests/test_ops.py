@@ -140,7 +140,7 @@ def test_topk_mask_selects_k_lowest_candidates_ties_by_position():
 def test_compact_keeps_order_and_zero_pads():
     keep = torch.tensor([[1, 0, 1, 1], [0, 1, 0, 0]], dtype=torch.float32)
     x = torch.arange(8, dtype=torch.float32).view(2, 4, 1) + 1
-    new_keep, (new_x, none), counts = ops.compact(keep, x, None)
+    new_x, _, none, new_keep, counts = ops.contract(keep > 0.5, x, torch.ones_like(keep), None)
     assert none is None and counts == [3, 1]
     assert new_keep.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert new_x[..., 0].tolist() == [[1, 3, 4], [6, 0, 0]]

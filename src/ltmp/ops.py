@@ -63,6 +63,15 @@ def _autocast_off(device_type: str):
     return torch.autocast(device_type, enabled=False) if _autocast_on(device_type) else contextlib.nullcontext()
 
 
+def key_bias(keep: Tensor | None, log_size: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The additive bias (B, N) of hard masks over the keys: log size (proportional attention), -inf for removed
+    keys; None when there is neither."""
+    if keep is None and log_size is None:
+        return None
+    bias = cast(log_size, dtype) if log_size is not None else keep.new_zeros(keep.shape, dtype=dtype)  # (B, N)
+    return bias if keep is None else bias.masked_fill(keep <= 0.5, float("-inf"))
+
+
 def masked_attention(
         q: Tensor,
         k: Tensor,
@@ -99,11 +108,8 @@ def masked_attention(
         # eval: 3-D matmuls with the scale and the bias folded in (fewer operator calls)
         B, H, N, D = q.shape
         q3, k3, v3 = (t.reshape(B * H, N, D) for t in (q, k, v))  # (B * H, N, D) each
-        bias = None
-        if log_size is not None or keep is not None:
-            bias = log_size.to(q.dtype) if log_size is not None else q.new_zeros(keep.shape)  # (B, N)
-            if keep is not None:
-                bias = bias.masked_fill(keep <= 0.5, float("-inf"))
+        bias = key_bias(keep, log_size, q.dtype)  # (B, N) or None
+        if bias is not None:
             bias = bias[:, None, :] if H == 1 else bias[:, None, None, :].expand(B, H, 1, N).reshape(B * H, 1, N)
         if bias is None:
             attn = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)  # (B * H, N, N)
@@ -114,10 +120,8 @@ def masked_attention(
     attn = (q * scale) @ k.transpose(-2, -1)  # (B, H, N, N)
     attn = attn.to(torch.promote_types(attn.dtype, torch.float32))  # fp16/bf16 -> fp32, float64 stays
     if hard:  # no gradient to the mask: one additive bias (log size, -inf where masked) and one softmax
-        if log_size is not None or keep is not None:
-            bias = log_size.to(attn.dtype) if log_size is not None else attn.new_zeros(keep.shape)  # (B, N)
-            if keep is not None:
-                bias = bias.masked_fill(keep <= 0.5, float("-inf"))
+        bias = key_bias(keep, log_size, attn.dtype)  # (B, N) or None
+        if bias is not None:
             bias = bias[:, None, None, :]  # (B, 1, 1, N)
             attn = attn + bias if attn.requires_grad else attn.add_(bias)  # (B, H, N, N)
         probs = attn.softmax(dim=-1)  # (B, H, N, N)
@@ -465,11 +469,12 @@ def group_max(scores: Tensor, merge: Tensor, dst: Tensor) -> Tensor:
 def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = None, merge: Tensor | None = None,
              dst: Tensor | None = None, counts: list[int] | None = None
              ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, list[int]]:
-    """Eval mode: the merges of eq. 7 (size-weighted averages, sizes add up) and compaction in one scatter.
+    """Eval mode: compaction, with the merges of eq. 7 (size-weighted averages, sizes add up) in the same scatter.
 
     Each surviving token goes to its slot (its rank among the image's survivors, so order is kept); a token
     merged into a survivor adds its size-weighted value to that survivor's slot; every other token goes to a
-    dump slot that is cut off. Each image's survivors end up at the front, zero-padded to the longest image.
+    dump slot that is cut off. Each image's survivors end up at the front, zero-padded to the longest image. O(B N)
+    (a cumulative sum and a scatter), without sorting.
 
     Args:
         alive: (B, N) bool, the tokens that survive the block.
@@ -509,41 +514,6 @@ def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = Non
         source = scatter(source, True)  # (B, N', N0) patch maps add up
     keep = torch.arange(n_new, device=alive.device) < c[:, None]  # (B, N')
     return x, size, source, keep.to(size.dtype), counts
-
-
-def compact(keep: Tensor, *tensors: Tensor | None) -> tuple[Tensor, list[Tensor | None], list[int]]:
-    """Gather each image's surviving tokens to the front, in order, padded to the longest set in the batch.
-
-    Padding is zero-filled. This is O(B N) (a cumulative sum and a scatter), without sorting.
-
-    Args:
-        keep: (B, N) survivors.
-        tensors: Tensors of shape (B, N, ...) to compact alike (None passes through).
-
-    Returns:
-        The new keep (B, N'), the compacted tensors (B, N', ...), and each image's number of survivors (on the
-        host).
-    """
-    alive = keep > 0.5  # (B, N)
-    B, N = alive.shape
-    if B == 1:
-        idx = alive[0].nonzero().squeeze(1)  # (N',)  the one host synchronisation compaction needs
-        out = [None if t is None else t.index_select(1, idx) for t in tensors]  # (1, N', ...) each
-        return keep.new_ones(1, idx.shape[0]), out, [idx.shape[0]]
-    counts = alive.sum(dim=1)  # (B,)
-    host = counts.tolist()  # the one host synchronisation compaction needs
-    n_new = max(host)
-    pos = torch.where(alive, alive.long().cumsum(dim=1) - 1, n_new)  # (B, N); removed tokens go to a dump slot
-    out = []
-    for t in tensors:
-        if t is None:
-            out.append(None)
-            continue
-        shape = (B, n_new + 1) + t.shape[2:]
-        index = pos.view(B, N, *([1] * (t.dim() - 2))).expand_as(t)
-        out.append(t.new_zeros(shape).scatter_(1, index, t)[:, :n_new])
-    new_keep = (torch.arange(n_new, device=keep.device)[None, :] < counts[:, None]).to(keep.dtype)  # (B, N')
-    return new_keep, out, host
 
 
 def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buckets: int = 4,

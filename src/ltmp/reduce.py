@@ -276,7 +276,7 @@ def reduce_step(
     patch_keep = keep[:, P:]  # (B, N - P)
     result = StepResult(merged=merged, pruned=pruned, kept=(patch_keep > 0.5).sum(1), kept_frac=patch_keep.sum(1))
     if state.compact:  # eval: gather the survivors; the one host synchronisation of a block (the counts)
-        keep, (x, size, source), counts = ops.compact(keep, x, size, source)
+        x, size, source, keep, counts = ops.contract(keep > 0.5, x, size, source)
         # without padding (e.g. equal counts) the next block needs no mask at all
         state = dataclasses.replace(state, masked_once=sum(counts) < keep.numel(), counts=counts)
     return x, dataclasses.replace(state, size=size, keep=keep, source=source), result

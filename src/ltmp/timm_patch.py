@@ -335,7 +335,8 @@ def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: T
     fused = None  # (out, lse) of a fused kernel
     if cfg.needs_importance and e.importance_from_lse and e.fused_attention and hard \
             and not torch.is_grad_enabled() and not attn.training and not is_exporting():
-        bias = _key_bias(keep, ls, q.dtype)  # (B, 1, 1, N) or None
+        bias = ops.key_bias(keep, ls, q.dtype)  # (B, N) or None
+        bias = None if bias is None else bias[:, None, None, :]  # (B, 1, 1, N)
         fused = ops.attention_with_lse(q, k, v, attn.scale, bias)
     if fused is not None:
         o, lse = fused  # (B, H, N, D), (B, H, N)
@@ -347,20 +348,10 @@ def _attention(attn, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: T
             importance = ops.importance_scores(probs, keep, cfg.importance)  # (B, N)
         del probs
     else:  # hard masks only: a fused kernel with an additive bias does the same
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=_key_bias(keep, ls, q.dtype),
+        bias = ops.key_bias(keep, ls, q.dtype)  # (B, N) or None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias[:, None, None, :],
                                            dropout_p=attn.attn_drop.p if attn.training else 0.0)
     return o.transpose(1, 2).reshape(B, N, attn.attn_dim), importance  # (B, N, C), (B, N) or None
-
-
-def _key_bias(keep: Tensor | None, ls: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """The additive attention bias (B, 1, 1, N) of hard masks: log size (proportional attention), -inf for
-    removed keys; None when there is neither."""
-    if keep is None and ls is None:
-        return None
-    bias = ls if ls is not None else torch.zeros_like(keep)
-    if keep is not None:
-        bias = bias.masked_fill(keep <= 0.5, float("-inf"))
-    return ops.cast(bias[:, None, None, :], dtype)  # (B, 1, 1, N)
 
 
 def _grouped_attention(blk, x: Tensor, state: TokenState, cfg: ReduceConfig, buckets) -> tuple:
