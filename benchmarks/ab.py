@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import ltmp
-from common import ROOT, at_gmacs, calibrated, load_images, load_model
+from common import ROOT, at_gmacs, calibrated, load_images, load_model, mean_gmacs
 from ltmp.bench import compare_models, paired_ratio
 
 
@@ -55,10 +55,7 @@ def main() -> int:
             base = base_pkg.patch(copy.deepcopy(dense), "ltmp").eval()
             base.load_state_dict(new.state_dict())
         else:
-            with torch.no_grad():
-                new(x)
-            g = float(ltmp.gmacs(ltmp.vit_spec(dense), ltmp.stats(new).kept.cpu()).mean())
-            new = at_gmacs(dense, args.method, g)
+            new = at_gmacs(dense, args.method, mean_gmacs(new, x))
             key = "r" if args.method == "tome" else "k"
             base = base_pkg.patch(copy.deepcopy(dense), args.method, **{key: new.ltmp_config.rate}).eval()
         inputs = x[:args.batch_size] if args.batch_size > 1 else [x[i:i + 1] for i in range(8)]

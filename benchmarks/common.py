@@ -3,8 +3,9 @@ images of the speed studies, and the one training-free calibration recipe they u
 
 - ``MODEL``, ``DATA``: the CIFAR-10 ViT and CIFAR-10 copy of ``../shared`` (beside the repository).
 - :func:`run`: one ``ltmp`` command in this process, printed first; a failure exits with its code.
-- :func:`load_model`, :func:`load_images`, :func:`at_gmacs`: the speed studies' models (``cifar``, or ``deit-s`` /
-  ``vit-b`` with random weights), bundled images, and fixed-rate baselines at a given GMACs.
+- :func:`load_model`, :func:`load_images`, :func:`mean_gmacs`, :func:`at_gmacs`: the speed studies' models
+  (``cifar``, or ``deit-s`` / ``vit-b`` with random weights), bundled images, a patched model's mean GMACs, and
+  fixed-rate baselines at a given GMACs.
 - :func:`compact`, :func:`unpack`: what the documents use of an ``ltmp eval --json`` result, small enough to commit
   under results/ (the per-image correctness packed into hex), and back.
 - :func:`calibrated`: LTMP thresholds without training, ``calibrate(mode="quantile")`` on 64 bundled training
@@ -59,6 +60,13 @@ def load_images(model: torch.nn.Module, split: str, n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     idx = torch.randperm(len(ds), generator=g)[:n].tolist()
     return torch.stack([ds[i][0] for i in idx])
+
+
+@torch.no_grad()
+def mean_gmacs(model: torch.nn.Module, x: torch.Tensor) -> float:
+    """A patched model's GMACs per image on ``x``, averaged over the images (one forward)."""
+    model(x)
+    return float(ltmp.gmacs(ltmp.vit_spec(model), ltmp.stats(model).kept.cpu()).mean())
 
 
 def at_gmacs(dense: torch.nn.Module, method: str, gmacs: float) -> torch.nn.Module:

@@ -23,7 +23,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import ltmp
-from common import at_gmacs, calibrated, load_images, load_model
+from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs
 from ltmp.runtime import HostSyncs
 
 
@@ -49,10 +49,7 @@ def main() -> None:
     red, r = calibrated(dense, args.target, device, method=args.method if learned else "ltmp")
     x = load_images(dense, "test", args.forwards * args.batch_size).to(device)
     if not learned:  # a fixed-rate method at LTMP's GMACs on these images
-        spec = ltmp.vit_spec(dense)
-        with torch.no_grad():
-            red(x)
-        red = at_gmacs(dense, args.method, float(ltmp.gmacs(spec, ltmp.stats(red).kept.cpu()).mean()))
+        red = at_gmacs(dense, args.method, mean_gmacs(red, x))
     red.ltmp_config.execution.importance_from_lse = args.lse
     if args.max_buckets is not None:
         red.ltmp_config.execution.max_buckets = args.max_buckets

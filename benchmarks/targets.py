@@ -29,7 +29,7 @@ import timm
 import torch
 
 import ltmp
-from common import at_gmacs, calibrated, load_images, load_model
+from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs
 from ltmp.bench import compare_models, paired_ratio
 from ltmp.runtime import compile_model, pick_device
 from ltmp.thresholds import atomic_write
@@ -54,16 +54,14 @@ def row_for(name: str, dense, red, setting: str, mode: str, args, device) -> dic
     x = load_images(dense, "test", int(batch)).to(device)
     spec = ltmp.vit_spec(dense)
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-        red(x)
+        g = mean_gmacs(red, x)
         rec = ltmp.stats(red)
-        g = float(ltmp.gmacs(spec, rec.kept.cpu()).mean())
         models = {"dense": dense, "ltmp": red, "tome": at_gmacs(dense, "tome", g),
                   "topk-prune": at_gmacs(dense, "topk-prune", g)}
         models["tome"].to(device), models["topk-prune"].to(device)
         if args.tome_ref:
             models["tome-ref"] = reference_tome(dense, args.tome_ref, models["tome"].ltmp_config.rate).to(device)
-        gmacs = {k: g if k == "ltmp" else float(ltmp.gmacs(spec, _kept(m, x)).mean())
-                 for k, m in models.items() if k not in ("dense", "tome-ref")}
+        gmacs = {k: g if k == "ltmp" else mean_gmacs(m, x) for k, m in models.items() if k not in ("dense", "tome-ref")}
         if mode == "compile":
             models = {k: (compile_model(m, device) if k != "tome-ref" else torch.compile(m)) for k, m in models.items()}
         t0 = time.perf_counter()
@@ -75,11 +73,6 @@ def row_for(name: str, dense, red, setting: str, mode: str, args, device) -> dic
             "executed_gmacs_ratio": ltmp.gmacs_executed(spec, rec.padded) / ltmp.dense_gmacs(spec),
             "time_ratio": {k: v["median"] for k, v in ratios.items()},
             "time_ratio_iqr": {k: [v["p25"], v["p75"]] for k, v in ratios.items()}}
-
-
-def _kept(model, x) -> torch.Tensor:
-    model(x)
-    return ltmp.stats(model).kept.cpu()
 
 
 def verdict(row: dict) -> str:
