@@ -50,10 +50,10 @@ import torch
 
 import ltmp
 from common import ROOT, at_gmacs, calibrated, cifar_model_name, load_images, load_model
+from ltmp.adapters.timm import forward_cut
 from ltmp.bench import _sync, compare_models, paired_ratio
 from ltmp.runtime import compile_model, pick_device
 from ltmp.thresholds import set_thresholds, threshold_tensors
-from ltmp.timm_patch import forward_cut
 
 
 @torch.no_grad()
@@ -70,7 +70,7 @@ def gmacs_of(model, spec, x: torch.Tensor) -> tuple[float, float, list[int]]:
 
 class Cut(torch.nn.Module):
     """The zero-overhead bound at batch 1: the dense model on the token counts LTMP keeps for each image, tokens
-    simply cut off after each block's attention (``ltmp.timm_patch.forward_cut``), no reduction step."""
+    simply cut off after each block's attention (``ltmp.adapters.timm.forward_cut``), no reduction step."""
 
     def __init__(self, dense: torch.nn.Module, counts: dict[int, list[int]]):
         super().__init__()

@@ -14,7 +14,9 @@ CONFIGS = {
     "no-cls-avg": ("vit_tiny_patch16_224", dict(class_token=False, global_pool="avg")),
     "layerscale-qknorm": ("vit_tiny_patch16_224", dict(init_values=0.5, qk_norm=True)),
     "unfused": ("vit_tiny_patch16_224", {}),
+    "map": ("vit_tiny_patch16_224", dict(class_token=False, global_pool="map")),
 }
+NO_CLASS_TOKEN = {"no-cls-avg", "map"}
 
 
 def make_model(name: str, dtype: torch.dtype = torch.float64, seed: int = 0, **extra) -> torch.nn.Module:

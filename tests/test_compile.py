@@ -109,7 +109,7 @@ def test_compiled_train_step_is_one_graph_with_eager_gradients(name):
     torch._dynamo.reset()
     model = ltmp.patch(make_model(name), "ltmp", **THRESHOLDS).train()
     for n, p in model.named_parameters():
-        p.requires_grad_(n.endswith(ltmp.timm_patch.THRESHOLD_NAMES))
+        p.requires_grad_(n.endswith(ltmp.patching.THRESHOLD_NAMES))
     x = images(4)
 
     def step(net):

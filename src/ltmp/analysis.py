@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .errors import LtmpError
+from .patching import blocks
 from .viz import save_figure
 
 
@@ -58,7 +59,7 @@ def kendall_tau(model: nn.Module, loader, device: torch.device | str = "cpu",
     if not (cfg.needs_importance and cfg.needs_metric):
         raise LtmpError("Kendall tau needs a method that both merges and prunes (topk-mp, ltmp)")
     model.eval().to(device)
-    depth = len(model.blocks)
+    depth = len(blocks(model))
     taus: list[list[float]] = [[] for _ in range(depth)]
     seen = 0
     cfg.capture = []

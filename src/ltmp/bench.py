@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from .flops import dense_gmacs, gmacs, gmacs_executed
+from .patching import vit_spec
 from .record import stats
 from .runtime import compile_model
-from .timm_patch import vit_spec
 
 
 def _sync(device: torch.device) -> None:

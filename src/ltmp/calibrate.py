@@ -9,9 +9,9 @@ from torch import nn
 
 from . import data as ldata
 from .errors import LtmpError
+from .patching import num_heads, score_ranges
 from .record import r_flops
 from .runtime import amp_context
-from .timm_patch import score_ranges
 
 
 def calibration_batch(model: nn.Module, root: str | os.PathLike, n: int, seed: int,
@@ -64,7 +64,7 @@ def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: t
         if merge:
             params, lo, hi, increasing = merge, -1.0, 1.05, True  # r rises with the merge threshold
         else:
-            heads = model.blocks[0].attn.num_heads if cfg.importance == "cls" else 1
+            heads = num_heads(model) if cfg.importance == "cls" else 1
             params, lo, hi, increasing = prune, 0.0, float(heads), False  # importance lies in [0, 1] (eq. 17)
 
         def r_at(v: float) -> float:

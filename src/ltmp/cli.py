@@ -47,8 +47,8 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_flops(args) -> int:
     from .flops import dense_gmacs
+    from .patching import vit_spec
     from .runtime import create_model
-    from .timm_patch import vit_spec
 
     model = create_model(args.model)
     spec = vit_spec(model)
@@ -153,8 +153,8 @@ def _reduced_model(args, model, gmacs: float | None = None, dense_ok: bool = Fal
     method gets the per-layer schedule closest to those GMACs instead of --r/--k. ``dense_ok``: no reduction
     named (or ``--method dense``) returns ``model`` as it is."""
     from .flops import rate_schedule
+    from .patching import patch, vit_spec
     from .thresholds import load_thresholds
-    from .timm_patch import patch, vit_spec
 
     if args.thresholds:
         return load_thresholds(model, args.thresholds)
@@ -267,9 +267,9 @@ def cmd_analyze(args) -> int:
     from . import data as ldata
     from .analysis import kendall_tau, layer_counts, plot_kendall, plot_layer_boxes, summarize
     from .demo import BUNDLED_DATA
+    from .patching import patch
     from .runtime import pick_device
     from .thresholds import atomic_write
-    from .timm_patch import patch
 
     dense, name = _load_model(args)
     device = pick_device(args.device)
@@ -304,9 +304,9 @@ def cmd_calibrate(args) -> int:
     from . import data as ldata
     from .calibrate import calibrate, calibration_batch
     from .demo import BUNDLED_DATA
+    from .patching import patch
     from .runtime import pick_device
     from .thresholds import save_thresholds
-    from .timm_patch import patch
 
     if not 0 < args.r_target <= 1:
         raise CLIError(f"--r-target must lie in (0, 1], got {args.r_target}")

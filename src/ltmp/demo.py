@@ -26,10 +26,10 @@ from . import data as ldata
 from .bench import time_forward
 from .evaluate import evaluate
 from .flops import rate_schedule
+from .patching import patch, vit_spec
 from .runtime import create_model, pick_device
 from .significance import mcnemar
 from .thresholds import atomic_write
-from .timm_patch import patch, vit_spec
 from .train import TrainConfig, train
 
 

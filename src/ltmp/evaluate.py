@@ -8,10 +8,10 @@ from torch import nn
 
 from .errors import LtmpError
 from .flops import dense_gmacs, gmacs, gmacs_executed
+from .patching import vit_spec
 from .record import r_flops, stats
 from .runtime import amp_context
 from .significance import wilson_interval
-from .timm_patch import vit_spec
 
 SCHEMA_VERSION = 1
 

@@ -26,7 +26,7 @@ from .reduce import METHODS
 
 @dataclasses.dataclass
 class ViTSpec:
-    """What a ViT costs, per token and per attention pair (built by ``ltmp.timm_patch.vit_spec``)."""
+    """What a ViT costs, per token and per attention pair (built by ``ltmp.patching.vit_spec``)."""
 
     num_patches: int  # n: patch tokens entering the first block
     num_prefix: int  # class/distillation/register tokens, never reduced

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import LtmpError
@@ -79,7 +80,7 @@ def masked_attention(
         scale: float,
         keep: Tensor | None,
         log_size: Tensor | None,
-        dropout: torch.nn.Module | None = None,
+        dropout: float = 0.0,
         mask_grad: str = "secant",
 ) -> tuple[Tensor, Tensor]:
     """Attention with a multiplicative key mask and proportional attention, eq. 5-7.
@@ -96,7 +97,7 @@ def masked_attention(
         scale: Multiplier of ``q @ k^T``.
         keep: (B, N) 0/1 (straight-through) mask of surviving keys, or None when all survive.
         log_size: (B, N) log of the token sizes, or None when all sizes are 1.
-        dropout: Attention dropout module applied to the probabilities.
+        dropout: Dropout probability on the attention probabilities (0 in eval).
         mask_grad: Form of a removed key's mask gradient, one of :data:`MASK_GRADS`.
 
     Returns:
@@ -104,7 +105,7 @@ def masked_attention(
     """
     hard = keep is None or not (torch.is_grad_enabled() and keep.requires_grad)
     if hard and not torch.is_grad_enabled() and q.dtype in (torch.float32, torch.float64) \
-            and not _autocast_on(q.device.type) and (dropout is None or not dropout.training):
+            and not _autocast_on(q.device.type) and not dropout:
         # eval: 3-D matmuls with the scale and the bias folded in (fewer operator calls)
         B, H, N, D = q.shape
         q3, k3, v3 = (t.reshape(B * H, N, D) for t in (q, k, v))  # (B * H, N, D) each
@@ -129,7 +130,7 @@ def masked_attention(
         if log_size is not None:
             attn = attn + log_size[:, None, None, :].to(attn.dtype)  # (B, H, N, N)
         probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad)  # (B, H, N, N)
-    p = dropout(probs) if dropout is not None else probs
+    p = F.dropout(probs, dropout) if dropout else probs
     out = p.to(v.dtype) @ v  # (B, H, N, D)
     return out, probs
 

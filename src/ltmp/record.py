@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from .errors import LtmpError
 from .flops import budget_loss_value, r_flops_from_fracs
-from .timm_patch import Record, mlp_hidden
+from .patching import Record, embed_dim, mlp_hidden
 
 
 def stats(model: nn.Module) -> Record:
@@ -31,8 +31,7 @@ def r_flops(model: nn.Module) -> Tensor:
     """
     rec = stats(model)
     spec_model = getattr(model, "module", model)
-    return r_flops_from_fracs(rec.keep_frac, rec.num_patches, spec_model.embed_dim,
-                              mlp_hidden(spec_model))
+    return r_flops_from_fracs(rec.keep_frac, rec.num_patches, embed_dim(spec_model), mlp_hidden(spec_model))
 
 
 def mean_r_flops(model: nn.Module) -> Tensor:

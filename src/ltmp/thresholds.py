@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .adapters import adapter_for
 from .errors import LtmpError
+from .patching import THRESHOLD_NAMES, blocks, patch
 from .reduce import LEARNED
-from .timm_patch import THRESHOLD_NAMES, patch
 
 FORMAT = "ltmp-thresholds"
 VERSION = "1"
@@ -27,26 +28,23 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def model_name(model: nn.Module) -> str:
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    return str(cfg.get("architecture") or type(model).__name__)
-
-
-#: The model family whose blocks a threshold file's values belong to (files from before it was recorded: timm).
-#: Issue #19 adds families outside timm; a file applies only to its own family.
-FAMILY = "timm"
+    cfg = getattr(model, "pretrained_cfg", None) or {}  # timm
+    name = cfg.get("architecture") or getattr(getattr(model, "config", None), "name_or_path", "")  # transformers
+    return str(name or getattr(type(model), "_ltmp_base", type(model)).__name__)
 
 
 def describe(model: nn.Module) -> dict[str, str]:
     """The metadata that says which models a threshold file fits."""
     model = _unwrap(model)
-    pe = model.patch_embed
+    adapter = adapter_for(model)
+    grid, _, img = adapter.patch_grid(model)
     return {
-        "family": FAMILY,
-        "depth": str(len(model.blocks)),
-        "embed_dim": str(model.embed_dim),
-        "num_prefix_tokens": str(model.num_prefix_tokens),
-        "patch_grid": "x".join(str(g) for g in pe.grid_size),
-        "img_size": "x".join(str(s) for s in pe.img_size),
+        "family": adapter.family,
+        "depth": str(len(adapter.blocks(model))),
+        "embed_dim": str(adapter.embed_dim(model)),
+        "num_prefix_tokens": str(adapter.num_prefix(model)),
+        "patch_grid": "x".join(str(g) for g in grid),
+        "img_size": "x".join(str(s) for s in img),
         "model": model_name(model),
     }
 
@@ -82,7 +80,7 @@ def threshold_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     model = _unwrap(model)
     out = {}
     for kind in THRESHOLD_NAMES:
-        values = [getattr(b, kind) for b in model.blocks if kind in b._parameters]
+        values = [getattr(b, kind) for b in blocks(model) if kind in b._parameters]
         if values:
             out[kind] = torch.stack([v.detach().float().cpu().reshape(()) for v in values])  # (L,)
     return out
@@ -98,7 +96,7 @@ def set_thresholds(model: nn.Module, tensors: dict[str, torch.Tensor], source: s
                         f"(file holds {got}, the model needs {expected})")
     with torch.no_grad():
         for kind, values in tensors.items():
-            for blk, v in zip(model.blocks, values):
+            for blk, v in zip(blocks(model), values):
                 getattr(blk, kind).copy_(v)
 
 
@@ -149,9 +147,6 @@ def load_thresholds(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     tensors, meta = read_thresholds(path)
     target = _unwrap(model)
     have = describe(target)
-    if meta.get("family", "timm") != have["family"]:
-        raise LtmpError(f"thresholds in {path} were made for a {meta['family']} model ({meta.get('model')}) and this "
-                        f"is a {have['family']} model; use thresholds trained for this model")
     for key in ("depth", "embed_dim", "num_prefix_tokens"):
         if meta.get(key) != have[key]:
             raise LtmpError(

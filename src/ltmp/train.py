@@ -26,11 +26,11 @@ from .calibrate import calibrate, calibration_batch, settle
 from .errors import LtmpError
 from .evaluate import evaluate
 from .flops import budget_loss_value
+from .patching import THRESHOLD_NAMES, blocks, patch, score_ranges
 from .record import mean_r_flops, stats
 from .reduce import LEARNED
 from .runtime import amp_context, amp_dtype, compile_model, create_model, pick_device
 from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
-from .timm_patch import THRESHOLD_NAMES, patch, score_ranges
 
 
 class TrainError(LtmpError):
@@ -516,7 +516,7 @@ def _collapse_check(model: nn.Module, ddp: Dist, runs: list[int] | None) -> list
 
 
 def _collapse_message(model: nn.Module, cfg: TrainConfig, block: int, step: int) -> str:
-    blk = model.blocks[block]
+    blk = blocks(model)[block]
     th = ", ".join(f"{name.split('_')[0]} threshold {float(getattr(blk, name)):.4g}" for name in THRESHOLD_NAMES
                    if hasattr(blk, name))
     return (f"training stopped at step {step}: block {block + 1} removed every patch token of every image for "

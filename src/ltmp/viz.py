@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .adapters import adapter_for
 from .errors import LtmpError
 from .thresholds import atomic_write
 
@@ -35,8 +36,9 @@ def layer_groups(model: nn.Module, image: torch.Tensor) -> list[np.ndarray]:
     with torch.no_grad():
         model(image[None])
     rec = stats(model)
-    gh, gw = model.patch_embed.grid_size if image.shape[-2:] == tuple(model.patch_embed.img_size) else (
-        image.shape[-2] // model.patch_embed.patch_size[0], image.shape[-1] // model.patch_embed.patch_size[1])
+    (gh, gw), patch, img = adapter_for(model).patch_grid(model)
+    if tuple(image.shape[-2:]) != tuple(img):
+        gh, gw = image.shape[-2] // patch[0], image.shape[-1] // patch[1]
     out = []
     for src, keep in zip(rec.sources, rec.keeps):
         cover = src[0] * keep[0, :, None].to(src.dtype)  # (N_l, n) patches covered by surviving tokens

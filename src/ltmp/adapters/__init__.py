@@ -1,0 +1,164 @@
+"""Model families: where a vision transformer's blocks, attention, norms and prefix tokens are.
+
+The reduction (:mod:`ltmp.patching`, :mod:`ltmp.reduce`, :mod:`ltmp.ops`) never learns a family's name. It asks
+the model's :class:`Adapter` for a :class:`BlockView` of each block (pre-norm: ``x + attn(norm1(x))``, then the
+reduction step of the paper's Figure 2, then ``x + mlp(norm2(x))``), and lets the adapter embed the images and
+apply the family's head. One small file per family: :mod:`.timm`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..errors import UnsupportedModelError
+
+
+def identity(t: Tensor) -> Tensor:
+    return t
+
+
+@dataclasses.dataclass
+class BlockView:
+    """What the reduction needs from one transformer block; built by an adapter for each forward.
+
+    Shapes: ``C`` model width, ``H`` heads of width ``D``; ``...`` any leading token dimensions.
+    """
+
+    norm1: Callable[[Tensor], Tensor]  # (..., C) -> (..., C): the norm before attention
+    qkv: Callable[[Tensor], Tensor]  # (..., C) -> (..., 3 * H * D): queries | keys | values
+    heads: int  # H
+    head_dim: int  # D
+    scale: float  # multiplier of q k^T
+    attn_drop: float  # dropout probability on the attention probabilities (train mode)
+    out: Callable[[Tensor], Tensor]  # (..., H * D) -> (..., C): the attention branch after the heads (output
+    #                                  projection, its dropout, layer scale, drop path), before the residual add
+    mlp: Callable[[Tensor], Tensor]  # (..., C) -> (..., C): the whole second branch (norm2, MLP, layer scale,
+    #                                  drop path), before the residual add
+    training: bool  # the block's mode (dropout)
+    q_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) per-head query norm
+    k_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) per-head key norm
+    head_norm: Callable[[Tensor], Tensor] = identity  # (..., H * D) norm on the heads' output
+    gate: Callable[[Tensor], Tensor] | None = None  # (..., C) normed input -> (..., H * D) multiplier of the
+    #                                                 normed heads' output (timm's gated attention)
+    fused: bool = True  # the family allows scaled_dot_product_attention here
+
+
+def linear_macs(*mods: nn.Module | None) -> float:
+    """in * out multiply-accumulates per token of every nn.Linear inside ``mods``."""
+    return float(sum(m.in_features * m.out_features for mod in mods if mod is not None for m in mod.modules()
+                     if isinstance(m, nn.Linear)))
+
+
+def norm_macs(*mods: nn.Module | None, count: bool = True) -> float:
+    """fvcore's LayerNorm MACs per token inside ``mods``: 5 per element (4 without affine); 0 unless ``count``."""
+    if not count:
+        return 0.0
+    return float(sum((5 if m.elementwise_affine else 4) * math.prod(m.normalized_shape) for mod in mods
+                     if mod is not None for m in mod.modules() if isinstance(m, nn.LayerNorm)))
+
+
+class Adapter:
+    """One model family. Subclasses answer where things are; the reduction code does the rest.
+
+    ``forward`` replaces the model's own forward when patched: it embeds the inputs, runs
+    :func:`ltmp.patching.encode` (the blocks with the reduction step) and applies the family's head, returning what
+    the unpatched model returns.
+    """
+
+    family: str = ""  # recorded in threshold files
+    supported: str = ""  # what it supports, for refusal messages
+
+    def owns(self, model: nn.Module) -> bool:
+        """The model belongs to this family (supported or not: :meth:`check` says why not)."""
+        raise NotImplementedError
+
+    def check(self, model: nn.Module) -> None:
+        """Raise UnsupportedModelError, naming what is supported, for a model whose forward this adapter does not
+        know."""
+
+    def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
+        """The transformer blocks, in order; each holds its ``merge_threshold`` / ``prune_threshold``."""
+        raise NotImplementedError
+
+    def view(self, model: nn.Module, blk: nn.Module) -> BlockView:
+        raise NotImplementedError
+
+    def num_prefix(self, model: nn.Module) -> int:
+        """Tokens in front of the patch tokens (class, distillation, registers), never reduced."""
+        raise NotImplementedError
+
+    def has_class_token(self, model: nn.Module) -> bool:
+        return self.num_prefix(model) > 0
+
+    def pools_patches(self, model: nn.Module) -> bool:
+        """The head reads the patch tokens (mean or attention pool): pruning keeps at least one."""
+        return self.num_prefix(model) == 0
+
+    def embed_dim(self, model: nn.Module) -> int:
+        raise NotImplementedError
+
+    def mlp_hidden(self, model: nn.Module) -> int:
+        """h of eq. 11."""
+        raise NotImplementedError
+
+    def patch_grid(self, model: nn.Module) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """(rows, columns) of patches at the model's image size, the patch size and the image size."""
+        raise NotImplementedError
+
+    def token_macs(self, model: nn.Module, blk: nn.Module, count_norm: bool) -> tuple[float, float]:
+        """Per-token MACs of a block's attention branch (norm, projections) and MLP branch (norm, MLP)."""
+        raise NotImplementedError
+
+    def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
+        """MACs of the embedding (the patch convolution and any norm) per image."""
+        raise NotImplementedError
+
+    def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
+        """Per-token MACs after the last block (final norm, keys of an attention pool) and per-image MACs of the
+        head."""
+        raise NotImplementedError
+
+    def forward(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def extra_methods(self) -> dict[str, Callable]:
+        """More methods of the patched class (timm's ``forward_features``)."""
+        return {}
+
+    def patched_name(self, base: type) -> str:
+        """The patched class's name."""
+        return f"LTMP{base.__name__}"
+
+
+def _adapters() -> list[Adapter]:
+    from .timm import TIMM
+
+    return [TIMM]
+
+
+def supported() -> str:
+    return "; ".join(a.supported for a in _adapters())
+
+
+def adapter_for(model: nn.Module, check: bool = False) -> Adapter:
+    """The model's family adapter; with ``check``, refuse a model of the family that it cannot handle.
+
+    Raises:
+        UnsupportedModelError: no family knows the model (the message names what is supported).
+    """
+    found = getattr(type(model), "_ltmp_adapter", None)
+    if found is None:
+        for a in _adapters():
+            if a.owns(model):
+                found = a
+                break
+    if found is None:
+        raise UnsupportedModelError(f"ltmp.patch cannot handle {type(model).__name__} "
+                                    f"({type(model).__module__}); it supports {supported()}")
+    if check:
+        found.check(model)
+    return found

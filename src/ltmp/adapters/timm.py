@@ -1,0 +1,175 @@
+"""timm ``VisionTransformer``: the only module that knows timm's internals.
+
+Supports the standard ``Block``/``Attention`` (qk norm, layer scale, gated attention, scale norm), class,
+distillation and register prefix tokens, and ``'token'``, ``'avg'`` and ``'map'`` (attention-pool) heads.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import LtmpError, UnsupportedModelError
+from . import Adapter, BlockView, identity, linear_macs, norm_macs
+
+SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
+             "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*, vit_*_siglip_*)")
+
+
+def _tname(obj) -> str:
+    return type(obj).__name__
+
+
+class TimmAdapter(Adapter):
+    family = "timm"
+    supported = SUPPORTED
+
+    def owns(self, model: nn.Module) -> bool:
+        return type(model).__module__.startswith("timm.")
+
+    def check(self, model: nn.Module) -> None:
+        from timm.layers import Attention
+        from timm.models.vision_transformer import Block, VisionTransformer
+
+        if not isinstance(model, VisionTransformer):
+            kind = _tname(model)
+            why = ""
+            if "Eva" in kind or "Rope" in kind or "rope" in kind.lower():
+                why = " (rotary position attention)"
+            elif "RelPos" in kind or "Beit" in kind:
+                why = " (relative-position attention)"
+            raise UnsupportedModelError(f"ltmp.patch cannot handle {kind}{why}; it supports {SUPPORTED}")
+        pool = getattr(model, "attn_pool", None)
+        if pool is not None and (getattr(pool, "pos_embed", None) is not None
+                                 or "attn_mask" not in inspect.signature(pool.forward).parameters):
+            raise UnsupportedModelError(f"ltmp.patch cannot handle this attention-pool head ({_tname(pool)} with a "
+                                        f"position embedding, or a timm too old to mask it); it supports {SUPPORTED}")
+        if pool is None and model.global_pool not in ("token", "avg"):
+            raise UnsupportedModelError(f"ltmp.patch cannot handle global_pool='{model.global_pool}'; "
+                                        f"it supports {SUPPORTED}")
+        for i, blk in enumerate(model.blocks):
+            if type(blk).forward is not Block.forward:
+                raise UnsupportedModelError(f"ltmp.patch cannot handle block {i} of type {_tname(blk)}; "
+                                            f"it supports {SUPPORTED}")
+            if type(blk.attn).forward is not Attention.forward:
+                raise UnsupportedModelError(f"ltmp.patch cannot handle attention {_tname(blk.attn)} in block {i} "
+                                            f"(rotary, relative-position and other attention variants are not "
+                                            f"supported); it supports {SUPPORTED}")
+
+    def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
+        return model.blocks
+
+    def view(self, model: nn.Module, blk: nn.Module) -> BlockView:
+        attn = blk.attn
+        gate = None if getattr(attn, "gate", None) is None else (lambda y: attn.gate(y).sigmoid())
+        return BlockView(
+            norm1=blk.norm1, qkv=attn.qkv, heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
+            attn_drop=attn.attn_drop.p, training=attn.training,
+            out=lambda t: blk.drop_path1(blk.ls1(attn.proj_drop(attn.proj(t)))),
+            mlp=lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))),
+            q_norm=attn.q_norm, k_norm=attn.k_norm, head_norm=getattr(attn, "norm", None) or identity, gate=gate,
+            fused=bool(attn.fused_attn))
+
+    def num_prefix(self, model: nn.Module) -> int:
+        return int(model.num_prefix_tokens)
+
+    def has_class_token(self, model: nn.Module) -> bool:
+        return getattr(model, "cls_token", None) is not None
+
+    def pools_patches(self, model: nn.Module) -> bool:
+        return getattr(model, "attn_pool", None) is not None or model.global_pool == "avg"
+
+    def embed_dim(self, model: nn.Module) -> int:
+        return int(model.embed_dim)
+
+    def mlp_hidden(self, model: nn.Module) -> int:
+        mlp = model.blocks[0].mlp
+        return int(mlp.fc1.out_features) if hasattr(mlp, "fc1") else 4 * int(model.embed_dim)
+
+    def patch_grid(self, model: nn.Module):
+        pe = model.patch_embed
+        return tuple(pe.grid_size), tuple(pe.patch_size), tuple(pe.img_size)
+
+    def token_macs(self, model: nn.Module, blk: nn.Module, count_norm: bool) -> tuple[float, float]:
+        a = blk.attn
+        heads_norm = a.num_heads * (norm_macs(a.q_norm, a.k_norm, count=count_norm))
+        attn = norm_macs(blk.norm1, getattr(a, "norm", None), count=count_norm) + linear_macs(a) + heads_norm
+        return attn, norm_macs(blk.norm2, blk.mlp, count=count_norm) + linear_macs(blk.mlp)
+
+    def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
+        pe = model.patch_embed
+        conv = pe.proj
+        per_patch = conv.out_channels * (conv.in_channels // conv.groups) * math.prod(conv.kernel_size)
+        return float(pe.num_patches * (per_patch + norm_macs(pe, count=count_norm)))
+
+    def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
+        head = norm_macs(model.fc_norm, count=count_norm)
+        if getattr(model, "num_classes", 0):
+            head += linear_macs(model.head, getattr(model, "head_dist", None))
+        final = norm_macs(model.norm, count=count_norm)
+        pool = getattr(model, "attn_pool", None)
+        if pool is not None:  # keys and values of every token, the latent query's attention and MLP once
+            final += linear_macs(pool.kv)
+            head += linear_macs(pool.q, pool.proj, pool.mlp) + norm_macs(pool.norm, pool.mlp, count=count_norm)
+        return final, head
+
+    def forward(self, model: nn.Module, x: Tensor) -> Tensor:
+        x, state = _features(model, x)
+        return self.head(model, x, state)
+
+    def head(self, model: nn.Module, x: Tensor, state) -> Tensor:
+        """timm's ``forward_head`` over the surviving tokens (class and distillation tokens never move)."""
+        from ..patching import mean_pool, pool_bias
+
+        pool = getattr(model, "attn_pool", None)
+        if pool is not None:
+            skip = 0 if model.pool_include_prefix else model.num_prefix_tokens
+            bias = pool_bias(state, x.dtype)  # (B, N) or None
+            x = pool(x[:, skip:], attn_mask=None if bias is None else bias[:, None, None, skip:])  # (B, C)
+        elif model.global_pool == "avg":
+            x = mean_pool(x, state, 0 if model.pool_include_prefix else model.num_prefix_tokens)  # (B, C)
+        else:
+            return model.forward_head(x)  # class (and distillation) tokens never move: timm's head works as is
+        x = model.head_drop(model.fc_norm(x))
+        return model.head(x)
+
+    def extra_methods(self) -> dict:
+        def forward_features(model, x: Tensor) -> Tensor:
+            return _features(model, x)[0]
+
+        return {"forward_features": forward_features}
+
+
+def _features(model: nn.Module, x: Tensor):
+    from ..patching import encode
+
+    x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))  # (B, N, C)
+    x, state = encode(model, x)
+    return model.norm(x), state
+
+
+@torch.no_grad()
+def forward_cut(model: nn.Module, x: Tensor, counts: Sequence[int]) -> Tensor:
+    """An unpatched timm ViT whose tokens are simply cut to ``counts[l]`` after block l's attention: the same
+    token counts as a reduction, with no reduction step. Not a useful model (it drops the last tokens); it times
+    what the counts alone cost, the zero-overhead bound of a reduced model (``benchmarks/speed.py``).
+
+    Args:
+        model: An unpatched timm VisionTransformer.
+        x: (B, 3, H, W) images.
+        counts: Tokens (prefix included) leaving each block.
+    """
+    if len(counts) != len(model.blocks):
+        raise LtmpError(f"forward_cut needs one token count per block ({len(model.blocks)}), got {len(counts)}")
+    x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))  # (B, N, C)
+    for blk, n in zip(model.blocks, counts):
+        x = x + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(x))))  # (B, N, C)
+        x = x[:, :n]  # (B, n, C)
+        x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
+    return model.forward_head(model.norm(x))
+
+
+TIMM = TimmAdapter()
