@@ -1,16 +1,19 @@
 """Convert a timm ViT to a Hugging Face transformers ``ViTForImageClassification`` and check that both agree.
 
-The first step of issue #19's evidence on real weights: the bundled CIFAR-10 ViT as a transformers model, whose dense
-accuracy must equal timm's on the same images before LTMP's decisions can be compared across the two.
+Issue #19's evidence on real weights: the bundled CIFAR-10 ViT as a transformers model, whose dense accuracy must
+equal timm's on the same images, and with ``--thresholds FILE`` the same LTMP thresholds file loaded into both
+(``ltmp.load_thresholds``): the same tokens kept in every block of every image and the same top-1.
 Supported: timm ``VisionTransformer`` with a class token, ``'token'`` pooling, pre-norm blocks without layer scale,
-q/k norms or registers (the layout of transformers' ViT). Needs ``pip install transformers``.
+q/k norms or registers (the layout of transformers' ViT). Needs ``pip install 'ltmp[hf]'``.
 
     python scripts/timm_to_hf.py --output runs/vit-cifar10-hf              # the bundled model, bundled test images
     python scripts/timm_to_hf.py --model local-dir:../shared/models/vit-cifar10 --output DIR \\
-        --data-dir ../shared/data/cifar10/cifar10-jpeg.tar.gz --images 10000
+        --data-dir ../shared/data/cifar10/cifar10-jpeg.tar.gz --images 10000 --thresholds FILE
 
-Prints the largest logit difference and both models' top-1 on the images; writes ``save_pretrained`` (safetensors)
-to ``--output``. Exits non-zero when any image's prediction differs between the two.
+Prints the largest logit difference and both models' top-1 on the images; writes ``save_pretrained`` (safetensors,
+with an image processor config, so that ``ltmp ... --model hf:DIR`` preprocesses as timm does) to ``--output``.
+Runs in float64 with ``--thresholds``, so that no score near a threshold flips a decision. Exits non-zero when any
+image's prediction (or kept-token count) differs between the two.
 """
 from __future__ import annotations
 
@@ -81,6 +84,20 @@ def convert(model: nn.Module):
     return hf
 
 
+def save(hf, timm_model, output: str) -> None:
+    """``save_pretrained`` plus an image processor with timm's input size, mean, std and label names."""
+    from transformers import ViTImageProcessor
+
+    cfg = timm_model.pretrained_cfg
+    names = cfg.get("label_names") or [str(i) for i in range(timm_model.num_classes)]
+    hf.config.id2label = dict(enumerate(names))
+    hf.config.label2id = {n: i for i, n in enumerate(names)}
+    hf.save_pretrained(output)
+    h, w = cfg["input_size"][1:]
+    ViTImageProcessor(size={"height": h, "width": w}, image_mean=list(cfg["mean"]), image_std=list(cfg["std"]),
+                      resample=2 if cfg.get("interpolation") == "bilinear" else 3).save_pretrained(output)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="a timm model (default: the bundled CIFAR-10 ViT)")
@@ -88,8 +105,10 @@ def main() -> int:
     p.add_argument("--data-dir", default=None, help="ImageFolder root or archive (default: the bundled images)")
     p.add_argument("--split", default="test")
     p.add_argument("--images", type=int, default=1000)
+    p.add_argument("--thresholds", help="an LTMP thresholds file to load into both models (compared in float64)")
     p.add_argument("--output", required=True, help="folder for save_pretrained")
     args = p.parse_args()
+    import ltmp
     from ltmp import data as ldata
     from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
     from ltmp.runtime import create_model
@@ -97,22 +116,38 @@ def main() -> int:
     timm_model = create_model(args.model or BUNDLED_MODEL, pretrained=args.checkpoint is None,
                               checkpoint=args.checkpoint).float().eval()
     hf = convert(timm_model)
+    save(hf, timm_model, args.output)
     ds = ldata.eval_set(timm_model, args.data_dir or BUNDLED_DATA, args.split, args.images)
     loader = torch.utils.data.DataLoader(ds, batch_size=100, collate_fn=ldata.collate_skip)
-    agree = correct_timm = correct_hf = n = 0
+    dtype = torch.float32
+    if args.thresholds:
+        dtype = torch.float64
+        timm_model, hf = timm_model.double(), hf.double()
+        ltmp.load_thresholds(timm_model, args.thresholds)
+        ltmp.load_thresholds(hf, args.thresholds)
+    agree = correct_timm = correct_hf = n = same_kept = 0
     diff = 0.0
+    gmacs = []
     with torch.no_grad():
         for x, y, _, _ in loader:
+            x = x.to(dtype)
             a, b = timm_model(x), hf(pixel_values=x).logits
+            if args.thresholds:
+                kept_a, kept_b = ltmp.stats(timm_model).kept, ltmp.stats(hf).kept  # (B, L) each
+                same_kept += int((kept_a == kept_b).all(1).sum())
+                gmacs.append(ltmp.gmacs(ltmp.vit_spec(hf), kept_b))
             diff = max(diff, float((a - b).abs().max()))
             correct_timm += int((a.argmax(1) == y).sum())
             correct_hf += int((b.argmax(1) == y).sum())
             agree += int((a.argmax(1) == b.argmax(1)).sum())
             n += len(y)
-    hf.save_pretrained(args.output)
-    print(f"{n} images: top-1 timm {100 * correct_timm / n:.2f}%, transformers {100 * correct_hf / n:.2f}%, "
+    what = f"with {args.thresholds} ({float(torch.cat(gmacs).mean()):.4f} GMACs), float64" if args.thresholds \
+        else "dense"
+    print(f"{n} images, {what}: top-1 timm {100 * correct_timm / n:.2f}%, transformers {100 * correct_hf / n:.2f}%, "
           f"same prediction on {agree}; largest logit difference {diff:.2e}; wrote {args.output}")
-    return 0 if agree == n else 1
+    if args.thresholds:
+        print(f"same kept-token counts in every block on {same_kept} of {n} images")
+    return 0 if agree == n and (not args.thresholds or same_kept == n) else 1
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from .errors import LtmpError
 from .flops import dense_gmacs, gmacs, gmacs_executed
 from .patching import vit_spec
 from .record import r_flops, stats
-from .runtime import amp_context
+from .runtime import amp_context, require_classifier
+from .runtime import logits as logits_of
 from .significance import wilson_interval
 
 SCHEMA_VERSION = 1
@@ -26,6 +27,7 @@ def evaluate(model: nn.Module, loader, device: torch.device | str = "cpu", amp: 
     per_layer, method, model`` are stable.
     """
     device = torch.device(device)
+    require_classifier(model)
     model.eval().to(device)
     spec = vit_spec(model)
     cfg = getattr(model, "ltmp_config", None)
@@ -51,7 +53,7 @@ def evaluate(model: nn.Module, loader, device: torch.device | str = "cpu", amp: 
             continue
         imgs, labels = imgs.to(device), labels.to(device)
         with amp_context(amp, device):
-            logits = model(imgs)
+            logits = logits_of(model(imgs))
         top5 = logits.float().topk(min(5, logits.shape[-1]), dim=-1).indices  # (B, 5)
         ok1 = top5[:, 0] == labels
         c1 += int(ok1.sum())

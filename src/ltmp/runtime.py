@@ -11,13 +11,27 @@ from .errors import LtmpError
 
 
 def create_model(name: str, pretrained: bool = False, checkpoint: str | None = None) -> nn.Module:
-    """A timm model by name (or ``local-dir:PATH``), with pretrained weights or a checkpoint file."""
+    """A model by name, with pretrained weights or a checkpoint file.
+
+    - a timm name or ``local-dir:PATH`` (timm);
+    - ``hf:DIR_OR_NAME``: a transformers image classifier (``AutoModelForImageClassification``), always with its
+      weights (or the checkpoint's); its preprocessing comes from the folder's image processor config;
+    - ``open_clip:ARCH``: OpenCLIP's visual tower of ARCH, with ``--checkpoint FILE`` (or ``--pretrained TAG``
+      weights through open_clip); it returns image embeddings, not logits.
+
+    Models outside timm carry a timm-style ``pretrained_cfg`` (input size, mean, std), so that timm's data config
+    and transforms serve every family.
+    """
+    if name.startswith("hf:"):
+        return _create_hf(name[3:], checkpoint)
+    if name.startswith("open_clip:"):
+        return _create_open_clip(name[len("open_clip:"):], pretrained, checkpoint)
     import timm
 
     if not name.startswith(("local-dir:", "hf-hub:")) and not timm.is_model(name):
         raise LtmpError(f"unknown model '{name}'; pick a timm ViT such as deit_small_patch16_224 "
-                        f"(list them with: python -c \"import timm; print(timm.list_models('*vit*'))\") or "
-                        f"local-dir:PATH")
+                        f"(list them with: python -c \"import timm; print(timm.list_models('*vit*'))\"), "
+                        f"local-dir:PATH, hf:DIR_OR_NAME or open_clip:ARCH")
     try:
         # a checkpoint replaces the pretrained weights: don't fetch them first
         model = timm.create_model(name, pretrained=pretrained and not checkpoint)
@@ -37,6 +51,111 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
             raise LtmpError(f"cannot load checkpoint {checkpoint} ({type(e).__name__}: {msg}); pass a timm, "
                             f"torch or safetensors state dict of {name}") from None
     return model
+
+
+def _one_line(e: Exception) -> str:
+    return (str(e).splitlines()[0][:200] if str(e) else "") or type(e).__name__
+
+
+def _load_state(model: nn.Module, checkpoint: str, name: str) -> None:
+    """A safetensors or torch state dict into ``model``, strictly."""
+    if not os.path.isfile(checkpoint):
+        raise LtmpError(f"checkpoint {checkpoint} does not exist; pass a weights file of {name}")
+    try:
+        if checkpoint.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state = load_file(checkpoint)
+        else:
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+            state = state.get("state_dict", state) if isinstance(state, dict) else state
+        model.load_state_dict(state, strict=True)
+    except Exception as e:  # torch, safetensors and pickle raise many types on a corrupt or foreign file
+        raise LtmpError(f"cannot load checkpoint {checkpoint} ({type(e).__name__}: {_one_line(e)}); pass a torch "
+                        f"or safetensors state dict of {name}") from None
+
+
+def _create_hf(path: str, checkpoint: str | None) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise LtmpError("hf: models need transformers; install it with: pip install 'ltmp[hf]'") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        if checkpoint:
+            model = transformers.AutoModelForImageClassification.from_config(config)
+        else:
+            model = transformers.AutoModelForImageClassification.from_pretrained(path)
+    except Exception as e:  # unreachable hub, missing files, a model without a classification head
+        raise LtmpError(f"cannot load hf:{path} as a transformers image classifier ({_one_line(e)}); pass a "
+                        f"folder written by save_pretrained (offline) or a hub name") from None
+    if checkpoint:
+        _load_state(model, checkpoint, f"hf:{path}")
+    try:
+        proc = transformers.AutoImageProcessor.from_pretrained(path)
+        mean, std = list(proc.image_mean), list(proc.image_std)
+        size = proc.size.get("height") or proc.size.get("shortest_edge")
+    except Exception:  # no preprocessor_config.json: the model's own image size, ImageNet statistics
+        from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+        mean, std, size = list(IMAGENET_DEFAULT_MEAN), list(IMAGENET_DEFAULT_STD), None
+    size = int(size or getattr(config, "image_size", 224))
+    model.pretrained_cfg = {"input_size": (3, size, size), "mean": tuple(mean), "std": tuple(std),
+                            "interpolation": "bilinear", "crop_pct": 1.0, "architecture": f"hf:{path}",
+                            "num_classes": config.num_labels}
+    return model.eval()
+
+
+def _create_open_clip(arch: str, pretrained: bool, checkpoint: str | None) -> nn.Module:
+    try:
+        import open_clip
+    except ImportError:
+        raise LtmpError("open_clip: models need open_clip_torch; install it with: pip install 'ltmp[openclip]'") \
+            from None
+    if arch not in open_clip.list_models():
+        raise LtmpError(f"unknown OpenCLIP architecture '{arch}'; pick one of open_clip.list_models(), e.g. "
+                        f"ViT-B-32")
+    if pretrained and not checkpoint:
+        raise LtmpError(f"open_clip:{arch} loads its weights from --checkpoint FILE (an OpenCLIP checkpoint)")
+    model = open_clip.create_model(arch)
+    if checkpoint:
+        if not os.path.isfile(checkpoint):
+            raise LtmpError(f"checkpoint {checkpoint} does not exist; pass an OpenCLIP checkpoint of {arch}")
+        try:
+            open_clip.load_checkpoint(model, checkpoint)
+        except Exception as e:
+            raise LtmpError(f"cannot load checkpoint {checkpoint} into open_clip:{arch} ({_one_line(e)}); pass an "
+                            f"OpenCLIP checkpoint of {arch}") from None
+    visual = model.visual
+    pre = getattr(visual, "preprocess_cfg", {}) or {}
+    size = pre.get("size", visual.image_size)
+    size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+    visual.pretrained_cfg = {"input_size": (3, *size), "mean": tuple(pre.get("mean", open_clip.OPENAI_DATASET_MEAN)),
+                             "std": tuple(pre.get("std", open_clip.OPENAI_DATASET_STD)),
+                             "interpolation": pre.get("interpolation", "bicubic"), "crop_pct": 1.0,
+                             "architecture": f"open_clip:{arch}"}
+    return visual.eval()
+
+
+def logits(out) -> torch.Tensor:
+    """A classifier's logits from what its forward returns: the tensor itself (timm) or ``.logits``
+    (transformers)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if getattr(out, "logits", None) is None:
+        raise LtmpError(f"this model returns {type(out).__name__}, not class logits; accuracy and training need an "
+                        f"image classifier")
+    return out.logits
+
+
+def require_classifier(model: nn.Module) -> None:
+    """Refuse models that return embeddings (OpenCLIP's visual tower) where class logits are needed."""
+    from .adapters import adapter_for
+
+    model = getattr(model, "module", model)
+    if adapter_for(model).family == "open_clip":
+        raise LtmpError("an OpenCLIP visual tower returns image embeddings, not class logits; accuracy and training "
+                        "need an image classifier (bench, calibrate and viz take open_clip: models)")
 
 
 def compile_model(model: nn.Module, device: torch.device | str = "cpu", train: bool = False) -> nn.Module:

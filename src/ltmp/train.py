@@ -29,7 +29,8 @@ from .flops import budget_loss_value
 from .patching import THRESHOLD_NAMES, blocks, patch, score_ranges
 from .record import mean_r_flops, stats
 from .reduce import LEARNED
-from .runtime import amp_context, amp_dtype, compile_model, create_model, pick_device
+from .runtime import amp_context, amp_dtype, compile_model, create_model, pick_device, require_classifier
+from .runtime import logits as logits_of
 from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
 
 
@@ -307,6 +308,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             ckpt_path.unlink()  # a stale checkpoint of an earlier run must not be resumed later
     torch.manual_seed(cfg.seed)
     model = create_model(cfg.model, cfg.pretrained, cfg.checkpoint)
+    require_classifier(model)
     teacher = None
     if cfg.distill > 0:  # the same weights without reduction: its logits are the target of the distillation term
         teacher = copy.deepcopy(model).eval().requires_grad_(False).to(device)
@@ -385,12 +387,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                 continue
             imgs, labels = imgs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             with amp_context(cfg.amp, device):
-                logits = net(imgs)
+                logits = logits_of(net(imgs))
             ce = F.cross_entropy(logits.float(), labels)
             task = ce
             if teacher is not None:
                 with torch.no_grad(), amp_context(cfg.amp, device):
-                    target_logits = teacher(imgs)  # (B, classes)
+                    target_logits = logits_of(teacher(imgs))  # (B, classes)
                 kd = distill_loss(logits.float(), target_logits.float())
                 task = (1 - cfg.distill) * ce + cfg.distill * kd
             r = mean_r_flops(model)  # the global batch's mean under torchrun

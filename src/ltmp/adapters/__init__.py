@@ -3,7 +3,8 @@
 The reduction (:mod:`ltmp.patching`, :mod:`ltmp.reduce`, :mod:`ltmp.ops`) never learns a family's name. It asks
 the model's :class:`Adapter` for a :class:`BlockView` of each block (pre-norm: ``x + attn(norm1(x))``, then the
 reduction step of the paper's Figure 2, then ``x + mlp(norm2(x))``), and lets the adapter embed the images and
-apply the family's head. One small file per family: :mod:`.timm`.
+apply the family's head. One small file per family: :mod:`.timm`, :mod:`.hf` (Hugging Face transformers),
+:mod:`.open_clip`; docs/families.md says how to add one.
 """
 from __future__ import annotations
 
@@ -135,9 +136,11 @@ class Adapter:
 
 
 def _adapters() -> list[Adapter]:
+    from .hf import HF
+    from .open_clip import OPEN_CLIP
     from .timm import TIMM
 
-    return [TIMM]
+    return [TIMM, HF, OPEN_CLIP]
 
 
 def supported() -> str:

@@ -1,0 +1,221 @@
+"""Hugging Face transformers vision transformers (transformers 5 layouts): the only module that knows them.
+
+Supported: ``ViTModel``, ``ViTForImageClassification``, ``DeiTModel``, ``DeiTForImageClassification(WithTeacher)``,
+``Dinov2Model``, ``Dinov2WithRegistersModel``, ``Dinov2ForImageClassification``, ``CLIPVisionModel(WithProjection)``
+and ``SiglipVisionModel``. The patched model returns the family's own output object; ``last_hidden_state`` then holds
+the surviving tokens (padded in an eval batch: ``ltmp.stats`` says how many each image kept). Heads that read the
+class token work unchanged; ``Dinov2ForImageClassification``'s patch mean and SigLIP's attention-pool head pool over
+the surviving tokens with merged tokens weighted by their size.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import LtmpError, UnsupportedModelError
+from . import Adapter, BlockView, identity, linear_macs, norm_macs
+
+#: class name -> the head on top of the backbone ("" for a backbone itself)
+HEADS = {
+    "ViTModel": "", "DeiTModel": "", "Dinov2Model": "", "Dinov2WithRegistersModel": "", "CLIPVisionModel": "",
+    "SiglipVisionModel": "", "ViTForImageClassification": "class", "DeiTForImageClassification": "class",
+    "DeiTForImageClassificationWithTeacher": "teacher", "Dinov2ForImageClassification": "dinov2",
+    "CLIPVisionModelWithProjection": "projection",
+}
+SUPPORTED = f"transformers (5.x) {', '.join(HEADS)}"
+_BACKBONES = ("vit", "deit", "dinov2", "vision_model")  # attribute of the backbone inside a model with a head
+
+
+def _first(obj, names: Sequence[str], default=None):
+    for n in names:
+        if getattr(obj, n, None) is not None:
+            return getattr(obj, n)
+    return default
+
+
+def _name(model: nn.Module) -> str:
+    return getattr(type(model), "_ltmp_base", type(model)).__name__
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The module that holds the embeddings, the layers and the final norm."""
+    return model if hasattr(model, "embeddings") else _first(model, _BACKBONES)
+
+
+def _layers(bb: nn.Module) -> nn.ModuleList:
+    return _first(bb, ("layers",)) or _first(bb.encoder, ("layers", "layer"))
+
+
+def _attention(layer: nn.Module) -> nn.Module:
+    return _first(layer, ("attention", "self_attn"))
+
+
+class HFAdapter(Adapter):
+    family = "transformers"
+    supported = SUPPORTED
+
+    def owns(self, model: nn.Module) -> bool:
+        return type(model).__module__.startswith("transformers.")
+
+    def check(self, model: nn.Module) -> None:
+        name = _name(model)
+        if name not in HEADS:
+            raise UnsupportedModelError(f"ltmp.patch cannot handle {name}; it supports {SUPPORTED}")
+        attn = _attention(_layers(backbone(model))[0])
+        if getattr(attn, "q_proj", None) is None:
+            raise UnsupportedModelError(f"ltmp.patch needs the transformers 5 layout of {name} (q_proj/k_proj/v_proj "
+                                        f"in every attention); upgrade with: pip install 'transformers>=5'")
+
+    def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
+        return _layers(backbone(model))
+
+    def view(self, model: nn.Module, blk: nn.Module) -> BlockView:
+        attn = _attention(blk)
+        norm1 = _first(blk, ("layernorm_before", "norm1", "layer_norm1"))
+        norm2 = _first(blk, ("layernorm_after", "norm2", "layer_norm2"))
+        proj = _first(attn, ("o_proj", "out_proj"))
+        ls1, ls2 = _first(blk, ("layer_scale1",), identity), _first(blk, ("layer_scale2",), identity)
+        drop = _first(blk, ("drop_path", "dropout"), identity)  # Dinov2: drop path; ViT/DeiT: hidden dropout
+
+        return BlockView(
+            norm1=norm1, qkv=lambda y: torch.cat([attn.q_proj(y), attn.k_proj(y), attn.v_proj(y)], -1),  # (..., 3 H D)
+            heads=_first(attn, ("num_heads", "num_attention_heads")), head_dim=attn.head_dim,
+            scale=_first(attn, ("scaling", "scale")), attn_drop=float(_first(attn, ("attention_dropout", "dropout"))),
+            training=attn.training,
+            out=lambda t: drop(ls1(proj(t))),
+            mlp=lambda t: drop(ls2(blk.mlp(norm2(t)))))
+
+    def num_prefix(self, model: nn.Module) -> int:
+        emb = backbone(model).embeddings
+        n = int(getattr(emb, "cls_token", None) is not None or getattr(emb, "class_embedding", None) is not None)
+        n += int(getattr(emb, "distillation_token", None) is not None)
+        n += int(getattr(getattr(emb, "register_tokens", None), "shape", [0, 0])[1]) if hasattr(
+            emb, "register_tokens") else 0
+        return n
+
+    def pools_patches(self, model: nn.Module) -> bool:
+        return HEADS[_name(model)] == "dinov2" or (
+            _name(model) == "SiglipVisionModel" and getattr(model, "use_head", False)) or self.num_prefix(model) == 0
+
+    def embed_dim(self, model: nn.Module) -> int:
+        return int(backbone(model).config.hidden_size)
+
+    def mlp_hidden(self, model: nn.Module) -> int:
+        """The width h with 2 C h = the MLP's MACs per token (fc1's width for a plain MLP)."""
+        return round(linear_macs(self.blocks(model)[0].mlp) / (2 * self.embed_dim(model)))
+
+    def patch_grid(self, model: nn.Module):
+        cfg = backbone(model).config
+        img = cfg.image_size if isinstance(cfg.image_size, (tuple, list)) else (cfg.image_size,) * 2
+        patch = cfg.patch_size if isinstance(cfg.patch_size, (tuple, list)) else (cfg.patch_size,) * 2
+        return (img[0] // patch[0], img[1] // patch[1]), tuple(patch), tuple(img)
+
+    def token_macs(self, model: nn.Module, blk: nn.Module, count_norm: bool) -> tuple[float, float]:
+        norm1 = _first(blk, ("layernorm_before", "norm1", "layer_norm1"))
+        norm2 = _first(blk, ("layernorm_after", "norm2", "layer_norm2"))
+        return (norm_macs(norm1, count=count_norm) + linear_macs(_attention(blk)),
+                norm_macs(norm2, blk.mlp, count=count_norm) + linear_macs(blk.mlp))
+
+    def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
+        emb = backbone(model).embeddings
+        conv = getattr(emb, "patch_embedding", None) or emb.patch_embeddings.projection
+        (gh, gw), _, _ = self.patch_grid(model)
+        per_patch = conv.out_channels * (conv.in_channels // conv.groups) * conv.kernel_size[0] * conv.kernel_size[1]
+        return float(gh * gw * (per_patch + norm_macs(getattr(backbone(model), "pre_layrnorm", None),
+                                                     count=count_norm)))
+
+    def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
+        bb = backbone(model)
+        final = norm_macs(_first(bb, ("layernorm",)), count=count_norm)
+        head = linear_macs(getattr(bb, "pooler", None), _first(model, ("classifier", "cls_classifier")),
+                           getattr(model, "distillation_classifier", None), getattr(model, "visual_projection", None))
+        post = getattr(bb, "post_layernorm", None)
+        if _name(bb) == "CLIPVisionModel":
+            head += norm_macs(post, count=count_norm)  # on the class token only
+        else:
+            final += norm_macs(post, count=count_norm)
+        pool = getattr(bb, "head", None) if getattr(bb, "use_head", False) else None
+        if pool is not None:  # SigLIP: keys and values of every token; the probe's query, output and MLP once
+            C = self.embed_dim(model)
+            final += 2.0 * C * C
+            head += C * C + linear_macs(pool) + norm_macs(pool, count=count_norm)
+        return final, head
+
+    def forward(self, model: nn.Module, pixel_values: Tensor | None = None, labels: Tensor | None = None,
+                interpolate_pos_encoding: bool | None = None, bool_masked_pos: Tensor | None = None,
+                attention_mask: Tensor | None = None, **kwargs):
+        from transformers.modeling_outputs import ImageClassifierOutput
+
+        from ..patching import encode, mean_pool
+
+        for flag in ("output_attentions", "output_hidden_states"):
+            if kwargs.pop(flag, False):
+                raise LtmpError(f"{flag}=True is not available on a model patched by ltmp (the token count changes "
+                                f"between layers); read ltmp.stats(model) for what each block kept")
+        if pixel_values is None or attention_mask is not None:
+            raise LtmpError("a model patched by ltmp needs pixel_values and no attention_mask")
+        bb, kind = backbone(model), HEADS[_name(model)]
+        emb_kw = {}
+        if bool_masked_pos is not None:
+            emb_kw["bool_masked_pos"] = bool_masked_pos
+        if interpolate_pos_encoding is not None and "Dinov2" not in _name(bb):
+            emb_kw["interpolate_pos_encoding"] = interpolate_pos_encoding
+        pixel_values = pixel_values.to(next(bb.embeddings.parameters()).dtype)
+        x = bb.embeddings(pixel_values, **emb_kw)  # (B, N, C)
+        x = _first(bb, ("pre_layrnorm",), identity)(x)
+        x, state = encode(model, x)  # (B, N', C)
+        out = _backbone_output(bb, x, state)
+        if not kind:
+            return out
+        seq = out.last_hidden_state
+        if kind == "projection":
+            from transformers.models.clip.modeling_clip import CLIPVisionModelOutput
+
+            return CLIPVisionModelOutput(image_embeds=model.visual_projection(out.pooler_output),
+                                         last_hidden_state=seq)
+        if kind == "teacher":
+            from transformers.models.deit.modeling_deit import DeiTForImageClassificationWithTeacherOutput
+
+            cls_logits, dist_logits = model.cls_classifier(seq[:, 0]), model.distillation_classifier(seq[:, 1])
+            return DeiTForImageClassificationWithTeacherOutput(logits=(cls_logits + dist_logits) / 2,
+                                                               cls_logits=cls_logits, distillation_logits=dist_logits)
+        if kind == "dinov2":  # class token beside the size-weighted mean of the surviving patch tokens
+            logits = model.classifier(torch.cat([seq[:, 0], mean_pool(seq, state, self.num_prefix(model))], 1))
+        else:
+            logits = model.classifier(seq[:, 0])
+        loss = None if labels is None else model.loss_function(labels, logits, model.config, **kwargs)
+        return ImageClassifierOutput(loss=loss, logits=logits)
+
+
+def _backbone_output(bb: nn.Module, x: Tensor, state):
+    """The backbone's own output object from the tokens leaving the last block."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from ..patching import pool_bias
+
+    name = _name(bb)
+    if name == "CLIPVisionModel":  # the final norm on the class token only
+        return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=bb.post_layernorm(x[:, 0]))
+    if name == "SiglipVisionModel":
+        seq = bb.post_layernorm(x)  # (B, N, C)
+        pooled = siglip_pool(bb.head, seq, pool_bias(state, seq.dtype)) if bb.use_head else None
+        return BaseModelOutputWithPooling(last_hidden_state=seq, pooler_output=pooled)
+    seq = bb.layernorm(x)  # (B, N, C)
+    if name.startswith("Dinov2"):
+        return BaseModelOutputWithPooling(last_hidden_state=seq, pooler_output=seq[:, 0])
+    pooler = getattr(bb, "pooler", None)
+    return BaseModelOutputWithPooling(last_hidden_state=seq, pooler_output=None if pooler is None else pooler(seq))
+
+
+def siglip_pool(head: nn.Module, seq: Tensor, bias: Tensor | None) -> Tensor:
+    """SigLIP's attention-pool head on (B, N, C) tokens with an additive key bias (B, N) (``pool_bias``: log size,
+    -inf at removed tokens): the probe attends to the surviving tokens, merged ones weighted by their size."""
+    mask = None if bias is None else bias[:, None, :].repeat_interleave(head.attention.num_heads, 0)  # (B * H, 1, N)
+    h = head.attention(head.probe.expand(seq.shape[0], -1, -1), seq, seq, attn_mask=mask,
+                       need_weights=False)[0]  # (B, 1, C)
+    return (h + head.mlp(head.layernorm(h)))[:, 0]  # (B, C)
+
+
+HF = HFAdapter()

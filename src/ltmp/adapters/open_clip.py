@@ -1,0 +1,108 @@
+"""OpenCLIP's ``VisionTransformer`` (the visual tower, ``open_clip.create_model(...).visual``): the only module
+that knows it.
+
+Patch the tower, ``ltmp.patch(model.visual, ...)``; ``model.encode_image`` then runs the reduced tower. Supports
+``ResidualAttentionBlock`` (``nn.MultiheadAttention``, layer scale) with ``'tok'`` or ``'avg'`` pooling, with the
+final norm before or after pooling. With ``output_tokens=True`` the returned tokens are the survivors (padded in an
+eval batch; ``ltmp.stats`` says how many each image kept).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import UnsupportedModelError
+from . import Adapter, BlockView, linear_macs, norm_macs
+
+SUPPORTED = ("open_clip VisionTransformer (the visual tower: patch model.visual) with ResidualAttentionBlock and "
+             "'tok' or 'avg' pooling")
+
+
+class OpenClipAdapter(Adapter):
+    family = "open_clip"
+    supported = SUPPORTED
+
+    def owns(self, model: nn.Module) -> bool:
+        return type(model).__module__.startswith("open_clip.")
+
+    def check(self, model: nn.Module) -> None:
+        from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
+
+        name = type(model).__name__
+        if not isinstance(model, VisionTransformer):
+            hint = "; patch its visual tower: ltmp.patch(model.visual, ...)" if isinstance(
+                getattr(model, "visual", None), VisionTransformer) else ""
+            raise UnsupportedModelError(f"ltmp.patch cannot handle {name}{hint}; it supports {SUPPORTED}")
+        if not hasattr(model, "_embeds"):
+            raise UnsupportedModelError("ltmp.patch needs an open_clip_torch whose VisionTransformer has _embeds; "
+                                        "upgrade with: pip install -U open_clip_torch")
+        if model.attn_pool is not None or model.pool_type not in ("tok", "avg"):
+            raise UnsupportedModelError(f"ltmp.patch cannot handle this {name} (attentional pooler or pool_type "
+                                        f"'{model.pool_type}'); it supports {SUPPORTED}")
+        for i, blk in enumerate(model.transformer.resblocks):
+            if type(blk).forward is not ResidualAttentionBlock.forward or hasattr(blk, "ln_1_kv") \
+                    or not blk.attn._qkv_same_embed_dim:
+                raise UnsupportedModelError(f"ltmp.patch cannot handle block {i} of type {type(blk).__name__}; "
+                                            f"it supports {SUPPORTED}")
+
+    def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
+        return model.transformer.resblocks
+
+    def view(self, model: nn.Module, blk: nn.Module) -> BlockView:
+        attn = blk.attn  # nn.MultiheadAttention: packed q | k | v input projection
+        return BlockView(
+            norm1=blk.ln_1, qkv=lambda y: F.linear(y, attn.in_proj_weight, attn.in_proj_bias),  # (..., 3 * H * D)
+            heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.head_dim ** -0.5, attn_drop=float(attn.dropout),
+            training=attn.training,
+            out=lambda t: blk.ls_1(attn.out_proj(t)),
+            mlp=lambda t: blk.ls_2(blk.mlp(blk.ln_2(t))))
+
+    def num_prefix(self, model: nn.Module) -> int:
+        return 1
+
+    def pools_patches(self, model: nn.Module) -> bool:
+        return model.pool_type == "avg"
+
+    def embed_dim(self, model: nn.Module) -> int:
+        return int(model.conv1.out_channels)
+
+    def mlp_hidden(self, model: nn.Module) -> int:
+        return int(model.transformer.resblocks[0].mlp.c_fc.out_features)
+
+    def patch_grid(self, model: nn.Module):
+        return tuple(model.grid_size), tuple(model.patch_size), tuple(model.image_size)
+
+    def token_macs(self, model: nn.Module, blk: nn.Module, count_norm: bool) -> tuple[float, float]:
+        attn = blk.attn
+        qkv = float(attn.in_proj_weight.shape[0] * attn.in_proj_weight.shape[1])  # a parameter, not an nn.Linear
+        return (norm_macs(blk.ln_1, count=count_norm) + qkv + linear_macs(attn),
+                norm_macs(blk.ln_2, count=count_norm) + linear_macs(blk.mlp))
+
+    def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
+        conv = model.conv1
+        (gh, gw), (ph, pw), _ = self.patch_grid(model)
+        return float(gh * gw * (conv.out_channels * conv.in_channels * ph * pw + norm_macs(model.ln_pre,
+                                                                                           count=count_norm)))
+
+    def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
+        post = norm_macs(model.ln_post, count=count_norm)
+        proj = 0.0 if model.proj is None else float(model.proj.numel())
+        return (0.0, post + proj) if model.final_ln_after_pool else (post, proj)
+
+    def forward(self, model: nn.Module, x: Tensor):
+        from ..patching import encode, mean_pool
+
+        x, state = encode(model, model._embeds(x))  # (B, N, C)
+        if not model.final_ln_after_pool:
+            x = model.ln_post(x)
+        pooled = x[:, 0] if model.pool_type == "tok" else mean_pool(x, state, 1)  # (B, C)
+        if model.final_ln_after_pool:
+            pooled = model.ln_post(pooled)
+        if model.proj is not None:
+            pooled = pooled @ model.proj  # (B, output_dim)
+        return (pooled, x[:, 1:]) if model.output_tokens else pooled
+
+
+OPEN_CLIP = OpenClipAdapter()
