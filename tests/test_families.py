@@ -34,6 +34,13 @@ def _open_clip(**kw):
                                      output_dim=16, **kw)
 
 
+def _zero_shot():
+    from ltmp.adapters.open_clip import ZeroShotClassifier
+
+    visual = _open_clip()()
+    return ZeroShotClassifier(visual, torch.randn(7, 16, generator=torch.Generator().manual_seed(3)), 10.0)
+
+
 FAMILIES = {
     "timm": lambda: make_model("cls"),
     "hf-vit": _hf("ViTForImageClassification", "ViTConfig", num_labels=7),
@@ -45,9 +52,11 @@ FAMILIES = {
     "hf-siglip": _hf("SiglipVisionModel", "SiglipVisionConfig"),
     "open-clip": _open_clip(),
     "open-clip-avg": _open_clip(pool_type="avg", final_ln_after_pool=True, ls_init_value=0.5),
+    "open-clip-zero-shot": _zero_shot,
 }
 PREFIX = {"timm": 1, "hf-vit": 1, "hf-vit-model": 1, "hf-deit-teacher": 2, "hf-dinov2-registers": 5,
-          "hf-dinov2-cls": 1, "hf-clip": 1, "hf-siglip": 0, "open-clip": 1, "open-clip-avg": 1}
+          "hf-dinov2-cls": 1, "hf-clip": 1, "hf-siglip": 0, "open-clip": 1, "open-clip-avg": 1,
+          "open-clip-zero-shot": 1}
 LEARNED = ["ltmp", "ltpm", "ltm", "ltp"]
 FIXED = [("tome", dict(r=6)), ("topk-prune", dict(k=5)), ("topk-mp", dict(k=3))]
 ALL = [(m, THRESHOLDS) for m in LEARNED] + FIXED
@@ -271,3 +280,52 @@ def test_transformers_vit_base_gmacs_match_the_paper():
     with torch.device("meta"):
         model = T.ViTModel(T.ViTConfig())
     assert ltmp.dense_gmacs(ltmp.vit_spec(model)) == pytest.approx(17.583 + 768 * 768 / 1e9, rel=0.005)
+
+
+def test_zero_shot_classifier_is_clip_cosine_logits_over_class_prompts():
+    """``ZeroShotClassifier.from_clip``: logits are logit_scale x cos(image embedding, "a photo of a {class}.")."""
+    from ltmp.adapters.open_clip import ZeroShotClassifier
+
+    torch.manual_seed(0)
+    clip = open_clip.model.CLIP(16, dict(image_size=32, patch_size=4, width=48, layers=2, head_width=16),
+                                dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=1)).eval()
+    tokenizer = open_clip.get_tokenizer("ViT-B-32")
+    classes = ["air_plane", "cat", "dog"]
+    zs = ZeroShotClassifier.from_clip(clip, tokenizer, classes)
+    x = images(2, torch.float32)
+    with torch.no_grad():
+        img = torch.nn.functional.normalize(clip.encode_image(x), dim=-1)
+        txt = torch.nn.functional.normalize(clip.encode_text(tokenizer(["a photo of a air plane.", "a photo of a cat.",
+                                                                        "a photo of a dog."])), dim=-1)
+        expected = clip.logit_scale.exp() * img @ txt.T
+        got = zs(x)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
+    ltmp.patch(zs, "tome", r=4)
+    with torch.no_grad():
+        assert zs(x).shape == (2, 3)
+    assert ltmp.stats(zs).kept[0].tolist() == [60, 56]
+
+
+def test_a_bare_open_clip_tower_is_refused_where_logits_are_needed():
+    from ltmp.evaluate import evaluate
+
+    with pytest.raises(ValueError, match=r"^an OpenCLIP visual tower returns image embeddings, not class logits; "
+                                         r"accuracy and training need an image classifier: "):
+        evaluate(make("open-clip"), [], progress=False)
+
+
+@pytest.mark.slow
+def test_open_clip_models_evaluate_as_zero_shot_classifiers_on_the_command_line(tmp_path):
+    """``ltmp eval --model open_clip:ViT-B-32``: the tower classifies the folder's classes zero-shot (random
+    weights here, so the accuracy means nothing; the path is what is tested)."""
+    import json
+
+    from ltmp.cli import main
+    from ltmp.demo import BUNDLED_DATA
+
+    out = tmp_path / "eval.json"
+    assert main(["--quiet", "eval", "--model", "open_clip:ViT-B-32", "--data-dir", BUNDLED_DATA, "--val-split",
+                 "test", "--max-images", "16", "--batch-size", "16", "--method", "tome", "--r", "4", "--workers", "0",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["images"] == 16 and result["gmacs_ratio"] < 0.6

@@ -212,6 +212,14 @@ def read_images(path: str | os.PathLike, transform: Callable, limit: int) -> lis
     return out
 
 
+def class_names(data_dir: str, split: str) -> list[str]:
+    """The class folder names of a split, in label order (as ImageFolder numbers them)."""
+    folder = split_dir(resolve_root(data_dir), split)
+    if not folder.is_dir():
+        raise DataError(f"{folder} is not a folder; pass --data-dir with {split}/<class>/ image folders")
+    return sorted(p.name for p in folder.iterdir() if p.is_dir())
+
+
 def eval_set(model: torch.nn.Module, data_dir: str, val_split: str, max_images: int | None = None) -> Dataset:
     """The model's eval transform over the eval split of ``data_dir`` (val <-> test fallback), optionally
     ``max_images`` of it spread evenly over the classes."""

@@ -10,14 +10,16 @@ from torch import nn
 from .errors import LtmpError
 
 
-def create_model(name: str, pretrained: bool = False, checkpoint: str | None = None) -> nn.Module:
+def create_model(name: str, pretrained: bool = False, checkpoint: str | None = None,
+                 classes: list[str] | None = None) -> nn.Module:
     """A model by name, with pretrained weights or a checkpoint file.
 
     - a timm name or ``local-dir:PATH`` (timm);
     - ``hf:DIR_OR_NAME``: a transformers image classifier (``AutoModelForImageClassification``), always with its
       weights (or the checkpoint's); its preprocessing comes from the folder's image processor config;
-    - ``open_clip:ARCH``: OpenCLIP's visual tower of ARCH, with ``--checkpoint FILE`` (or ``--pretrained TAG``
-      weights through open_clip); it returns image embeddings, not logits.
+    - ``open_clip:ARCH``: OpenCLIP's visual tower of ARCH, with ``--checkpoint FILE``; it returns image
+      embeddings. With ``classes`` (class folder names), the tower as a zero-shot classifier of those classes
+      (:class:`ltmp.adapters.open_clip.ZeroShotClassifier`).
 
     Models outside timm carry a timm-style ``pretrained_cfg`` (input size, mean, std), so that timm's data config
     and transforms serve every family.
@@ -25,7 +27,7 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
     if name.startswith("hf:"):
         return _create_hf(name[3:], checkpoint)
     if name.startswith("open_clip:"):
-        return _create_open_clip(name[len("open_clip:"):], pretrained, checkpoint)
+        return _create_open_clip(name[len("open_clip:"):], pretrained, checkpoint, classes)
     import timm
 
     if not name.startswith(("local-dir:", "hf-hub:")) and not timm.is_model(name):
@@ -106,7 +108,7 @@ def _create_hf(path: str, checkpoint: str | None) -> nn.Module:
     return model.eval()
 
 
-def _create_open_clip(arch: str, pretrained: bool, checkpoint: str | None) -> nn.Module:
+def _create_open_clip(arch: str, pretrained: bool, checkpoint: str | None, classes: list[str] | None) -> nn.Module:
     try:
         import open_clip
     except ImportError:
@@ -134,6 +136,15 @@ def _create_open_clip(arch: str, pretrained: bool, checkpoint: str | None) -> nn
                              "std": tuple(pre.get("std", open_clip.OPENAI_DATASET_STD)),
                              "interpolation": pre.get("interpolation", "bicubic"), "crop_pct": 1.0,
                              "architecture": f"open_clip:{arch}"}
+    if classes:
+        from .adapters.open_clip import ZeroShotClassifier
+
+        try:
+            tokenizer = open_clip.get_tokenizer(arch)
+        except Exception as e:  # a tokenizer from the hub, offline
+            raise LtmpError(f"cannot load the tokenizer of open_clip:{arch} ({_one_line(e)}); zero-shot "
+                            f"classification needs it once (online, or in the Hugging Face cache)") from None
+        return ZeroShotClassifier.from_clip(model, tokenizer, classes).eval()
     return visual.eval()
 
 
@@ -151,11 +162,12 @@ def logits(out) -> torch.Tensor:
 def require_classifier(model: nn.Module) -> None:
     """Refuse models that return embeddings (OpenCLIP's visual tower) where class logits are needed."""
     from .adapters import adapter_for
+    from .adapters.open_clip import ZeroShotClassifier
 
     model = getattr(model, "module", model)
-    if adapter_for(model).family == "open_clip":
+    if adapter_for(model).family == "open_clip" and not isinstance(model, ZeroShotClassifier):
         raise LtmpError("an OpenCLIP visual tower returns image embeddings, not class logits; accuracy and training "
-                        "need an image classifier (bench, calibrate and viz take open_clip: models)")
+                        "need an image classifier: ltmp.adapters.open_clip.ZeroShotClassifier")
 
 
 def compile_model(model: nn.Module, device: torch.device | str = "cpu", train: bool = False) -> nn.Module:

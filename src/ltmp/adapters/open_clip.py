@@ -4,7 +4,8 @@ that knows it.
 Patch the tower, ``ltmp.patch(model.visual, ...)``; ``model.encode_image`` then runs the reduced tower. Supports
 ``ResidualAttentionBlock`` (``nn.MultiheadAttention``, layer scale) with ``'tok'`` or ``'avg'`` pooling, with the
 final norm before or after pooling. With ``output_tokens=True`` the returned tokens are the survivors (padded in an
-eval batch; ``ltmp.stats`` says how many each image kept).
+eval batch; ``ltmp.stats`` says how many each image kept). :class:`ZeroShotClassifier` turns a tower and class names
+into a classifier (CLIP's zero-shot prompts), which ``ltmp train`` and ``ltmp eval`` need.
 """
 from __future__ import annotations
 
@@ -20,16 +21,55 @@ SUPPORTED = ("open_clip VisionTransformer (the visual tower: patch model.visual)
              "'tok' or 'avg' pooling")
 
 
+class ZeroShotClassifier(nn.Module):
+    """An OpenCLIP visual tower as an image classifier: logits are ``logit_scale`` times the cosine similarity of the
+    image embedding to each class's prompt embedding (CLIP's zero-shot classification, Radford et al. 2021).
+
+    ``ltmp.patch`` reduces its tower; the class embeddings are fixed (a buffer), so training learns only the
+    thresholds, as for any other model.
+    """
+
+    def __init__(self, visual: nn.Module, class_embeddings: Tensor, logit_scale: float):
+        super().__init__()
+        self.visual = visual
+        self.register_buffer("class_embeddings", F.normalize(class_embeddings, dim=-1))  # (K, D)
+        self.logit_scale = float(logit_scale)
+        self.pretrained_cfg = dict(getattr(visual, "pretrained_cfg", {}), num_classes=class_embeddings.shape[0])
+
+    @classmethod
+    def from_clip(cls, clip: nn.Module, tokenizer, classes: Sequence[str],
+                  template: str = "a photo of a {}.") -> ZeroShotClassifier:
+        """The classifier of ``clip.visual`` for ``classes`` (folder names; ``_`` reads as a space)."""
+        import torch
+
+        prompts = [template.format(c.replace("_", " ")) for c in classes]
+        with torch.no_grad():
+            text = clip.encode_text(tokenizer(prompts))  # (K, D)
+        return cls(clip.visual, text, float(clip.logit_scale.exp()))
+
+    def head(self, features: Tensor) -> Tensor:
+        """(B, D) image embeddings -> (B, K) logits."""
+        return self.logit_scale * F.normalize(features, dim=-1) @ self.class_embeddings.to(features.dtype).T
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.visual(x))
+
+
+def _tower(model: nn.Module) -> nn.Module:
+    return model.visual if isinstance(model, ZeroShotClassifier) else model
+
+
 class OpenClipAdapter(Adapter):
     family = "open_clip"
     supported = SUPPORTED
 
     def owns(self, model: nn.Module) -> bool:
-        return type(model).__module__.startswith("open_clip.")
+        return type(model).__module__.startswith("open_clip.") or isinstance(model, ZeroShotClassifier)
 
     def check(self, model: nn.Module) -> None:
         from open_clip.transformer import ResidualAttentionBlock, VisionTransformer
 
+        model = _tower(model)
         name = type(model).__name__
         if not isinstance(model, VisionTransformer):
             hint = "; patch its visual tower: ltmp.patch(model.visual, ...)" if isinstance(
@@ -48,7 +88,7 @@ class OpenClipAdapter(Adapter):
                                             f"it supports {SUPPORTED}")
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
-        return model.transformer.resblocks
+        return _tower(model).transformer.resblocks
 
     def view(self, model: nn.Module, blk: nn.Module) -> BlockView:
         attn = blk.attn  # nn.MultiheadAttention: packed q | k | v input projection
@@ -63,15 +103,16 @@ class OpenClipAdapter(Adapter):
         return 1
 
     def pools_patches(self, model: nn.Module) -> bool:
-        return model.pool_type == "avg"
+        return _tower(model).pool_type == "avg"
 
     def embed_dim(self, model: nn.Module) -> int:
-        return int(model.conv1.out_channels)
+        return int(_tower(model).conv1.out_channels)
 
     def mlp_hidden(self, model: nn.Module) -> int:
-        return int(model.transformer.resblocks[0].mlp.c_fc.out_features)
+        return int(self.blocks(model)[0].mlp.c_fc.out_features)
 
     def patch_grid(self, model: nn.Module):
+        model = _tower(model)
         return tuple(model.grid_size), tuple(model.patch_size), tuple(model.image_size)
 
     def token_macs(self, model: nn.Module, blk: nn.Module, count_norm: bool) -> tuple[float, float]:
@@ -81,28 +122,35 @@ class OpenClipAdapter(Adapter):
                 norm_macs(blk.ln_2, count=count_norm) + linear_macs(blk.mlp))
 
     def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
+        model = _tower(model)
         conv = model.conv1
         (gh, gw), (ph, pw), _ = self.patch_grid(model)
         return float(gh * gw * (conv.out_channels * conv.in_channels * ph * pw + norm_macs(model.ln_pre,
                                                                                            count=count_norm)))
 
     def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
-        post = norm_macs(model.ln_post, count=count_norm)
-        proj = 0.0 if model.proj is None else float(model.proj.numel())
-        return (0.0, post + proj) if model.final_ln_after_pool else (post, proj)
+        tower = _tower(model)
+        post = norm_macs(tower.ln_post, count=count_norm)
+        proj = 0.0 if tower.proj is None else float(tower.proj.numel())
+        if model is not tower:  # the zero-shot head: one dot product per class
+            proj += float(model.class_embeddings.numel())
+        return (0.0, post + proj) if tower.final_ln_after_pool else (post, proj)
 
     def forward(self, model: nn.Module, x: Tensor):
         from ..patching import encode, mean_pool
 
-        x, state = encode(model, model._embeds(x))  # (B, N, C)
-        if not model.final_ln_after_pool:
-            x = model.ln_post(x)
-        pooled = x[:, 0] if model.pool_type == "tok" else mean_pool(x, state, 1)  # (B, C)
-        if model.final_ln_after_pool:
-            pooled = model.ln_post(pooled)
-        if model.proj is not None:
-            pooled = pooled @ model.proj  # (B, output_dim)
-        return (pooled, x[:, 1:]) if model.output_tokens else pooled
+        tower = _tower(model)
+        x, state = encode(model, tower._embeds(x))  # (B, N, C)
+        if not tower.final_ln_after_pool:
+            x = tower.ln_post(x)
+        pooled = x[:, 0] if tower.pool_type == "tok" else mean_pool(x, state, 1)  # (B, C)
+        if tower.final_ln_after_pool:
+            pooled = tower.ln_post(pooled)
+        if tower.proj is not None:
+            pooled = pooled @ tower.proj  # (B, output_dim)
+        if model is not tower:
+            return model.head(pooled)  # (B, K)
+        return (pooled, x[:, 1:]) if tower.output_tokens else pooled
 
 
 OPEN_CLIP = OpenClipAdapter()
