@@ -4,7 +4,7 @@ Issue #19's evidence on real weights: the bundled CIFAR-10 ViT as a transformers
 equal timm's on the same images, and with ``--thresholds FILE`` the same LTMP thresholds file loaded into both
 (``ltmp.load_thresholds``): the same tokens kept in every block of every image and the same top-1.
 Supported: timm ``VisionTransformer`` with a class token, ``'token'`` pooling, pre-norm blocks without layer scale,
-q/k norms or registers (the layout of transformers' ViT). Needs ``pip install 'ltmp[hf]'``.
+q/k norms or registers (the layout of transformers' ViT). Needs ``pip install 'ltmp[hf]'`` (transformers 5).
 
     python scripts/timm_to_hf.py --output runs/vit-cifar10-hf              # the bundled model, bundled test images
     python scripts/timm_to_hf.py --model local-dir:../shared/models/vit-cifar10 --output DIR \\
@@ -47,6 +47,9 @@ def convert(model: nn.Module):
         why.append("biases on the projection and MLP layers")
     if len(set(model.patch_embed.img_size)) != 1:
         why.append("square images")
+    if not isinstance(model.patch_embed.norm, nn.Identity) or model.patch_embed.proj.bias is None \
+            or not isinstance(model.head, nn.Linear):
+        why.append("a patch embedding with bias and no norm, and a linear head")
     if why:
         raise SystemExit(f"timm_to_hf.py converts ViTs with {'; '.join(why)}; {type(model).__name__} differs")
     C, patch = model.embed_dim, model.patch_embed.patch_size[0]
@@ -61,15 +64,10 @@ def convert(model: nn.Module):
           "vit.embeddings.patch_embeddings.projection.bias": model.patch_embed.proj.bias,
           "vit.layernorm.weight": model.norm.weight, "vit.layernorm.bias": model.norm.bias,
           "classifier.weight": model.head.weight, "classifier.bias": model.head.bias}
-    have = set(hf.state_dict())
-    v5 = "vit.layers.0.attention.q_proj.weight" in have  # transformers 5 renamed the layer modules
-    names = ({"norm1": "layernorm_before", "q": "attention.q_proj", "k": "attention.k_proj", "v": "attention.v_proj",
-              "proj": "attention.o_proj", "norm2": "layernorm_after", "fc1": "mlp.fc1", "fc2": "mlp.fc2"} if v5 else
-             {"norm1": "layernorm_before", "q": "attention.attention.query", "k": "attention.attention.key",
-              "v": "attention.attention.value", "proj": "attention.output.dense", "norm2": "layernorm_after",
-              "fc1": "intermediate.dense", "fc2": "output.dense"})
+    names = {"norm1": "layernorm_before", "q": "attention.q_proj", "k": "attention.k_proj", "v": "attention.v_proj",
+             "proj": "attention.o_proj", "norm2": "layernorm_after", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
     for i, b in enumerate(model.blocks):
-        p = f"vit.layers.{i}." if v5 else f"vit.encoder.layer.{i}."
+        p = f"vit.layers.{i}."
         for key, mod in (("norm1", b.norm1), ("proj", b.attn.proj), ("norm2", b.norm2), ("fc1", b.mlp.fc1),
                          ("fc2", b.mlp.fc2)):
             sd[p + names[key] + ".weight"], sd[p + names[key] + ".bias"] = mod.weight, mod.bias
@@ -94,8 +92,16 @@ def save(hf, timm_model, output: str) -> None:
     hf.config.label2id = {n: i for i, n in enumerate(names)}
     hf.save_pretrained(output)
     h, w = cfg["input_size"][1:]
-    ViTImageProcessor(size={"height": h, "width": w}, image_mean=list(cfg["mean"]), image_std=list(cfg["std"]),
-                      resample=2 if cfg.get("interpolation") == "bilinear" else 3).save_pretrained(output)
+    crop = float(cfg.get("crop_pct") or 1.0)
+    kw = dict(image_mean=list(cfg["mean"]), image_std=list(cfg["std"]),
+              resample=2 if cfg.get("interpolation") == "bilinear" else 3)
+    if crop < 1.0:  # timm resizes to size / crop_pct, then crops the center
+        from transformers import DeiTImageProcessor
+
+        DeiTImageProcessor(size={"height": round(h / crop), "width": round(w / crop)},
+                           crop_size={"height": h, "width": w}, **kw).save_pretrained(output)
+    else:
+        ViTImageProcessor(size={"height": h, "width": w}, **kw).save_pretrained(output)
 
 
 def main() -> int:

@@ -329,3 +329,17 @@ def test_open_clip_models_evaluate_as_zero_shot_classifiers_on_the_command_line(
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["images"] == 16 and result["gmacs_ratio"] < 0.6
+
+
+def test_transformers_arguments_are_keyword_only_and_return_dict_is_honoured():
+    model = ltmp.patch(make("hf-vit-model"), "ltmp", **THRESHOLDS)
+    x = images(2)
+    with pytest.raises(TypeError):
+        model(x, True)  # ViTModel's second argument is bool_masked_pos, CLIP's interpolate_pos_encoding
+    with pytest.raises(ValueError, match=r"^ViTModel computes no loss; labels= belongs to the image classifiers$"):
+        model(pixel_values=x, labels=torch.tensor([0, 1]))
+    with torch.no_grad():
+        out = model(pixel_values=x)
+        tup = model(pixel_values=x, return_dict=False)
+    assert isinstance(tup, tuple) and torch.equal(tup[0], out.last_hidden_state) and torch.equal(tup[1],
+                                                                                                 out.pooler_output)

@@ -113,3 +113,20 @@ def test_hf_and_open_clip_spellings_fail_clearly(tmp_path, capsys):
     pytest.importorskip("open_clip")
     assert main(["--quiet", "flops", "--model", "open_clip:ViT-X-99"]) == 2
     assert "unknown OpenCLIP architecture 'ViT-X-99'; pick one of open_clip.list_models()" in capsys.readouterr().err
+
+
+def test_hf_data_config_follows_the_processor_resize_and_center_crop(tmp_path):
+    """A processor that resizes to 256 and crops 224 (DeiT's) becomes timm's input size 224, crop_pct 0.875."""
+    import transformers
+
+    from ltmp.runtime import create_model
+
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                 image_size=224, patch_size=32, num_labels=3)
+    transformers.ViTForImageClassification(cfg).save_pretrained(tmp_path)
+    transformers.DeiTImageProcessor(size={"height": 256, "width": 256}, crop_size={"height": 224, "width": 224},
+                                    resample=3, image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.2, 0.2]
+                                    ).save_pretrained(tmp_path)
+    got = create_model(f"hf:{tmp_path}").pretrained_cfg
+    assert got["input_size"] == (3, 224, 224) and got["crop_pct"] == pytest.approx(0.875)
+    assert got["interpolation"] == "bicubic" and got["mean"] == pytest.approx((0.4, 0.5, 0.6))

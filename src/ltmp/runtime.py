@@ -93,19 +93,32 @@ def _create_hf(path: str, checkpoint: str | None) -> nn.Module:
                         f"folder written by save_pretrained (offline) or a hub name") from None
     if checkpoint:
         _load_state(model, checkpoint, f"hf:{path}")
-    try:
-        proc = transformers.AutoImageProcessor.from_pretrained(path)
-        mean, std = list(proc.image_mean), list(proc.image_std)
-        size = proc.size.get("height") or proc.size.get("shortest_edge")
-    except Exception:  # no preprocessor_config.json: the model's own image size, ImageNet statistics
-        from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-
-        mean, std, size = list(IMAGENET_DEFAULT_MEAN), list(IMAGENET_DEFAULT_STD), None
-    size = int(size or getattr(config, "image_size", 224))
-    model.pretrained_cfg = {"input_size": (3, size, size), "mean": tuple(mean), "std": tuple(std),
-                            "interpolation": "bilinear", "crop_pct": 1.0, "architecture": f"hf:{path}",
+    model.pretrained_cfg = {**_hf_data_config(transformers, path, config), "architecture": f"hf:{path}",
                             "num_classes": config.num_labels}
     return model.eval()
+
+
+def _hf_data_config(transformers, path: str, config) -> dict:
+    """timm's data config from the folder's image processor: resize (shortest edge or height), then the center
+    crop if it has one; its resampling filter, mean and std. Without a processor config: the model's image size,
+    ImageNet statistics."""
+    try:
+        proc = transformers.AutoImageProcessor.from_pretrained(path)
+    except Exception:  # no preprocessor_config.json
+        from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+        size = int(getattr(config, "image_size", 224))
+        return {"input_size": (3, size, size), "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+                "interpolation": "bicubic", "crop_pct": 1.0}
+    size = dict(proc.size or {})
+    resize = size.get("shortest_edge") or size.get("height") or int(getattr(config, "image_size", 224))
+    crop = dict(getattr(proc, "crop_size", None) or {}) if getattr(proc, "do_center_crop", False) else {}
+    side = int(crop.get("height") or resize)
+    filters = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+    resample = getattr(proc, "resample", 2)
+    return {"input_size": (3, side, side), "mean": tuple(proc.image_mean), "std": tuple(proc.image_std),
+            "interpolation": filters.get(int(getattr(resample, "value", resample)), "bicubic"),
+            "crop_pct": min(1.0, side / int(resize))}
 
 
 def _create_open_clip(arch: str, pretrained: bool, checkpoint: str | None, classes: list[str] | None) -> nn.Module:

@@ -54,6 +54,11 @@ def linear_macs(*mods: nn.Module | None) -> float:
                      if isinstance(m, nn.Linear)))
 
 
+def conv_macs(conv: nn.Conv2d) -> float:
+    """Multiply-accumulates of a patch-embedding convolution per output position (per patch)."""
+    return float(conv.out_channels * (conv.in_channels // conv.groups) * math.prod(conv.kernel_size))
+
+
 def norm_macs(*mods: nn.Module | None, count: bool = True) -> float:
     """fvcore's LayerNorm MACs per token inside ``mods``: 5 per element (4 without affine); 0 unless ``count``."""
     if not count:

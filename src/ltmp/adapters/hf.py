@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from . import Adapter, BlockView, identity, linear_macs, norm_macs
+from . import Adapter, BlockView, conv_macs, identity, linear_macs, norm_macs
 
 #: class name -> the head on top of the backbone ("" for a backbone itself)
 HEADS = {
@@ -52,6 +52,12 @@ def _attention(layer: nn.Module) -> nn.Module:
     return _first(layer, ("attention", "self_attn"))
 
 
+def _norms(layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The norms before attention and before the MLP."""
+    return (_first(layer, ("layernorm_before", "norm1", "layer_norm1")),
+            _first(layer, ("layernorm_after", "norm2", "layer_norm2")))
+
+
 class HFAdapter(Adapter):
     family = "transformers"
     supported = SUPPORTED
@@ -73,8 +79,7 @@ class HFAdapter(Adapter):
 
     def view(self, model: nn.Module, blk: nn.Module) -> BlockView:
         attn = _attention(blk)
-        norm1 = _first(blk, ("layernorm_before", "norm1", "layer_norm1"))
-        norm2 = _first(blk, ("layernorm_after", "norm2", "layer_norm2"))
+        norm1, norm2 = _norms(blk)
         proj = _first(attn, ("o_proj", "out_proj"))
         ls1, ls2 = _first(blk, ("layer_scale1",), identity), _first(blk, ("layer_scale2",), identity)
         drop = _first(blk, ("drop_path", "dropout"), identity)  # Dinov2: drop path; ViT/DeiT: hidden dropout
@@ -91,13 +96,11 @@ class HFAdapter(Adapter):
         emb = backbone(model).embeddings
         n = int(getattr(emb, "cls_token", None) is not None or getattr(emb, "class_embedding", None) is not None)
         n += int(getattr(emb, "distillation_token", None) is not None)
-        n += int(getattr(getattr(emb, "register_tokens", None), "shape", [0, 0])[1]) if hasattr(
-            emb, "register_tokens") else 0
-        return n
+        registers = getattr(emb, "register_tokens", None)  # (1, R, C)
+        return n + (0 if registers is None else int(registers.shape[1]))
 
     def pools_patches(self, model: nn.Module) -> bool:
-        return HEADS[_name(model)] == "dinov2" or (
-            _name(model) == "SiglipVisionModel" and getattr(model, "use_head", False)) or self.num_prefix(model) == 0
+        return HEADS[_name(model)] == "dinov2" or self.num_prefix(model) == 0  # SigLIP: no class token
 
     def embed_dim(self, model: nn.Module) -> int:
         return int(backbone(model).config.hidden_size)
@@ -113,8 +116,7 @@ class HFAdapter(Adapter):
         return (img[0] // patch[0], img[1] // patch[1]), tuple(patch), tuple(img)
 
     def token_macs(self, model: nn.Module, blk: nn.Module, count_norm: bool) -> tuple[float, float]:
-        norm1 = _first(blk, ("layernorm_before", "norm1", "layer_norm1"))
-        norm2 = _first(blk, ("layernorm_after", "norm2", "layer_norm2"))
+        norm1, norm2 = _norms(blk)
         return (norm_macs(norm1, count=count_norm) + linear_macs(_attention(blk)),
                 norm_macs(norm2, blk.mlp, count=count_norm) + linear_macs(blk.mlp))
 
@@ -122,9 +124,8 @@ class HFAdapter(Adapter):
         emb = backbone(model).embeddings
         conv = getattr(emb, "patch_embedding", None) or emb.patch_embeddings.projection
         (gh, gw), _, _ = self.patch_grid(model)
-        per_patch = conv.out_channels * (conv.in_channels // conv.groups) * conv.kernel_size[0] * conv.kernel_size[1]
-        return float(gh * gw * (per_patch + norm_macs(getattr(backbone(model), "pre_layrnorm", None),
-                                                     count=count_norm)))
+        pre = norm_macs(getattr(backbone(model), "pre_layrnorm", None), count=count_norm)  # CLIP: every token
+        return gh * gw * conv_macs(conv) + (gh * gw + self.num_prefix(model)) * pre
 
     def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
         bb = backbone(model)
@@ -137,26 +138,38 @@ class HFAdapter(Adapter):
         else:
             final += norm_macs(post, count=count_norm)
         pool = getattr(bb, "head", None) if getattr(bb, "use_head", False) else None
-        if pool is not None:  # SigLIP: keys and values of every token; the probe's query, output and MLP once
-            C = self.embed_dim(model)
-            final += 2.0 * C * C
+        if pool is not None:  # SigLIP: keys, values and the probe's two attention matmuls per token; the probe's
+            C = self.embed_dim(model)  # query, output and MLP once
+            final += 2.0 * C * C + 2.0 * C
             head += C * C + linear_macs(pool) + norm_macs(pool, count=count_norm)
         return final, head
 
-    def forward(self, model: nn.Module, pixel_values: Tensor | None = None, labels: Tensor | None = None,
+    def forward(self, model: nn.Module, pixel_values: Tensor | None = None, *, labels: Tensor | None = None,
                 interpolate_pos_encoding: bool | None = None, bool_masked_pos: Tensor | None = None,
-                attention_mask: Tensor | None = None, **kwargs):
+                attention_mask: Tensor | None = None, return_dict: bool | None = None, **kwargs):
+        """The model's forward with the blocks reduced. Arguments after ``pixel_values`` are keyword-only (their
+        positions differ between the transformers classes)."""
+        out = self._forward(model, pixel_values, labels, interpolate_pos_encoding, bool_masked_pos, attention_mask,
+                            **kwargs)
+        if return_dict is None:
+            return_dict = getattr(model.config, "use_return_dict", getattr(model.config, "return_dict", True))
+        return out if return_dict else out.to_tuple()
+
+    def _forward(self, model, pixel_values, labels, interpolate_pos_encoding, bool_masked_pos, attention_mask,
+                 **kwargs):
         from transformers.modeling_outputs import ImageClassifierOutput
 
         from ..patching import encode, mean_pool
 
         for flag in ("output_attentions", "output_hidden_states"):
-            if kwargs.pop(flag, False):
+            if kwargs.pop(flag, None) or getattr(model.config, flag, False):
                 raise LtmpError(f"{flag}=True is not available on a model patched by ltmp (the token count changes "
                                 f"between layers); read ltmp.stats(model) for what each block kept")
         if pixel_values is None or attention_mask is not None:
             raise LtmpError("a model patched by ltmp needs pixel_values and no attention_mask")
         bb, kind = backbone(model), HEADS[_name(model)]
+        if labels is not None and kind not in ("class", "dinov2"):
+            raise LtmpError(f"{_name(model)} computes no loss; labels= belongs to the image classifiers")
         emb_kw = {}
         if bool_masked_pos is not None:
             emb_kw["bool_masked_pos"] = bool_masked_pos
@@ -213,8 +226,8 @@ def siglip_pool(head: nn.Module, seq: Tensor, bias: Tensor | None) -> Tensor:
     """SigLIP's attention-pool head on (B, N, C) tokens with an additive key bias (B, N) (``pool_bias``: log size,
     -inf at removed tokens): the probe attends to the surviving tokens, merged ones weighted by their size."""
     mask = None if bias is None else bias[:, None, :].repeat_interleave(head.attention.num_heads, 0)  # (B * H, 1, N)
-    h = head.attention(head.probe.expand(seq.shape[0], -1, -1), seq, seq, attn_mask=mask,
-                       need_weights=False)[0]  # (B, 1, C)
+    h = head.attention(head.probe.expand(seq.shape[0], -1, -1), seq, seq, attn_mask=mask)[0]  # (B, 1, C); explicit
+    #   attention (need_weights), which FLOP counters see on every device: one query, so it costs next to nothing
     return (h + head.mlp(head.layernorm(h)))[:, 0]  # (B, C)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
-from . import Adapter, BlockView, linear_macs, norm_macs
+from . import Adapter, BlockView, conv_macs, linear_macs, norm_macs
 
 SUPPORTED = ("open_clip VisionTransformer (the visual tower: patch model.visual) with ResidualAttentionBlock and "
              "'tok' or 'avg' pooling")
@@ -78,14 +78,19 @@ class OpenClipAdapter(Adapter):
         if not hasattr(model, "_embeds"):
             raise UnsupportedModelError("ltmp.patch needs an open_clip_torch whose VisionTransformer has _embeds; "
                                         "upgrade with: pip install -U open_clip_torch")
-        if model.attn_pool is not None or model.pool_type not in ("tok", "avg"):
-            raise UnsupportedModelError(f"ltmp.patch cannot handle this {name} (attentional pooler or pool_type "
-                                        f"'{model.pool_type}'); it supports {SUPPORTED}")
+        if model.attn_pool is not None:
+            raise UnsupportedModelError(f"ltmp.patch cannot handle a {name} with an attentional pooler (CoCa); it "
+                                        f"supports {SUPPORTED}")
+        if model.pool_type not in ("tok", "avg"):
+            raise UnsupportedModelError(f"ltmp.patch cannot handle pool_type '{model.pool_type}'; it supports "
+                                        f"{SUPPORTED}")
         for i, blk in enumerate(model.transformer.resblocks):
-            if type(blk).forward is not ResidualAttentionBlock.forward or hasattr(blk, "ln_1_kv") \
-                    or not blk.attn._qkv_same_embed_dim:
+            if type(blk).forward is not ResidualAttentionBlock.forward:
                 raise UnsupportedModelError(f"ltmp.patch cannot handle block {i} of type {type(blk).__name__}; "
                                             f"it supports {SUPPORTED}")
+            if hasattr(blk, "ln_1_kv") or not blk.attn._qkv_same_embed_dim:
+                raise UnsupportedModelError(f"ltmp.patch cannot handle block {i}: cross-attention (separate key and "
+                                            f"value inputs); it supports self-attention blocks of {SUPPORTED}")
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return _tower(model).transformer.resblocks
@@ -122,11 +127,9 @@ class OpenClipAdapter(Adapter):
                 norm_macs(blk.ln_2, count=count_norm) + linear_macs(blk.mlp))
 
     def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
-        model = _tower(model)
-        conv = model.conv1
-        (gh, gw), (ph, pw), _ = self.patch_grid(model)
-        return float(gh * gw * (conv.out_channels * conv.in_channels * ph * pw + norm_macs(model.ln_pre,
-                                                                                           count=count_norm)))
+        tower = _tower(model)
+        (gh, gw), _, _ = self.patch_grid(tower)
+        return gh * gw * conv_macs(tower.conv1) + (gh * gw + 1) * norm_macs(tower.ln_pre, count=count_norm)
 
     def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
         tower = _tower(model)

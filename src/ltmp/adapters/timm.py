@@ -6,14 +6,13 @@ distillation and register prefix tokens, and ``'token'``, ``'avg'`` and ``'map'`
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from . import Adapter, BlockView, identity, linear_macs, norm_macs
+from . import Adapter, BlockView, conv_macs, identity, linear_macs, norm_macs
 
 SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
              "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*, vit_*_siglip_*)")
@@ -101,9 +100,9 @@ class TimmAdapter(Adapter):
 
     def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
         pe = model.patch_embed
-        conv = pe.proj
-        per_patch = conv.out_channels * (conv.in_channels // conv.groups) * math.prod(conv.kernel_size)
-        return float(pe.num_patches * (per_patch + norm_macs(pe, count=count_norm)))
+        n = pe.num_patches
+        pre = norm_macs(model.norm_pre, count=count_norm)  # every token, prefix included (CLIP-style models)
+        return n * (conv_macs(pe.proj) + norm_macs(pe, count=count_norm)) + (n + self.num_prefix(model)) * pre
 
     def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
         head = norm_macs(model.fc_norm, count=count_norm)
@@ -111,8 +110,8 @@ class TimmAdapter(Adapter):
             head += linear_macs(model.head, getattr(model, "head_dist", None))
         final = norm_macs(model.norm, count=count_norm)
         pool = getattr(model, "attn_pool", None)
-        if pool is not None:  # keys and values of every token, the latent query's attention and MLP once
-            final += linear_macs(pool.kv)
+        if pool is not None:  # keys, values and the latent query's two attention matmuls per token; the query's
+            final += linear_macs(pool.kv) + 2.0 * pool.num_heads * pool.head_dim  # projections and MLP once
             head += linear_macs(pool.q, pool.proj, pool.mlp) + norm_macs(pool.norm, pool.mlp, count=count_norm)
         return final, head
 
@@ -143,11 +142,15 @@ class TimmAdapter(Adapter):
         return {"forward_features": forward_features}
 
 
+def _embed(model: nn.Module, x: Tensor) -> Tensor:
+    """(B, 3, H, W) images -> (B, N, C) tokens entering the first block, prefix tokens first."""
+    return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+
+
 def _features(model: nn.Module, x: Tensor):
     from ..patching import encode
 
-    x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))  # (B, N, C)
-    x, state = encode(model, x)
+    x, state = encode(model, _embed(model, x))  # (B, N', C)
     return model.norm(x), state
 
 
@@ -164,7 +167,7 @@ def forward_cut(model: nn.Module, x: Tensor, counts: Sequence[int]) -> Tensor:
     """
     if len(counts) != len(model.blocks):
         raise LtmpError(f"forward_cut needs one token count per block ({len(model.blocks)}), got {len(counts)}")
-    x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))  # (B, N, C)
+    x = _embed(model, x)  # (B, N, C)
     for blk, n in zip(model.blocks, counts):
         x = x + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(x))))  # (B, N, C)
         x = x[:, :n]  # (B, n, C)
