@@ -8,15 +8,18 @@ each against dense, and this checkout against the other commit.
 
     python benchmarks/ab.py --base HEAD~1 --model deit-s --batch-size 32
     python benchmarks/ab.py --base 8fc40c6 --model cifar --batch-size 1 --method tome
+    python benchmarks/ab.py --base 051fca3 --model cifar --batch-size 64 --train   # train fwd + bwd, new / base
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import importlib
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -45,9 +48,12 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=32, help="1: 8 single images per repetition")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--train", action="store_true", help="time a train-mode forward + backward (LTMP) instead")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base_pkg = load_base(args.base, Path(tmp))
+        if args.train:
+            return train_ab(args, base_pkg)
         dense = load_model(args.model).eval()
         new, r = calibrated(dense, args.target, "cpu")
         x = load_images(dense, "test", max(args.batch_size, 8))
@@ -70,6 +76,30 @@ def main() -> int:
     for num, den in (("new", "dense"), ("base", "dense"), ("new", "base")):
         v = paired_ratio(timed, num, den)
         print(f"  {num} / {den}: {v['median']:.3f} (quartiles {v['p25']:.3f}-{v['p75']:.3f})")
+    return 0
+
+
+def train_ab(args, base_pkg) -> int:
+    """Paired time of one train step (masked forward, a loss on the logits and r_FLOPs, backward to the
+    thresholds), this checkout against the base, alternating, after 2 warm-up pairs."""
+    dense = load_model(args.model)
+    x = load_images(dense, "test", args.batch_size)
+    pairs = []
+    for pkg in (ltmp, base_pkg):
+        m = pkg.patch(copy.deepcopy(dense), "ltmp", merge_threshold=0.9, prune_threshold=0.01).train()
+        for n, q in m.named_parameters():
+            q.requires_grad_(n.endswith("threshold"))
+        pairs.append((m, pkg.stats))
+
+    def step(m, stats) -> float:
+        t0 = time.perf_counter()
+        (m(x).logsumexp(1).mean() + stats(m).keep_frac.mean()).backward()
+        return time.perf_counter() - t0
+
+    ratios = [step(*pairs[0]) / step(*pairs[1]) for _ in range(2 + args.rounds * args.reps)][2:]
+    q = statistics.quantiles(ratios, n=4)
+    print(f"{args.model} ltmp train step, batch {args.batch_size}, this checkout / {args.base}: "
+          f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, {len(ratios)} pairs)")
     return 0
 
 
