@@ -92,3 +92,17 @@ def test_rate_schedule_lands_on_the_target_gmacs(method):
     sched = rate_schedule(spec, target, method)
     got = float(ltmp.gmacs(spec, torch.tensor([schedule_counts(method, sched, spec.num_patches)]))[0])
     assert abs(got - target) / target < 0.01, (sched, got, target)
+
+
+def test_mlp_width_of_eq11_counts_a_gated_mlp_by_its_macs():
+    """h of eq. 11 is fc1's width for a plain MLP, and for timm's SwiGLU the width that gives its MACs (3 C h'
+    for hidden width h' = 2C h), so that r_FLOPs weighs the MLP by what it costs."""
+    from timm.layers import SwiGLUPacked
+
+    plain = make_model("cls")
+    assert ltmp.patching.mlp_hidden(plain) == plain.blocks[0].mlp.fc1.out_features
+    glu = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=48, depth=1, num_heads=3,
+                            mlp_layer=SwiGLUPacked, act_layer=torch.nn.SiLU)
+    mlp = glu.blocks[0].mlp
+    macs = mlp.fc1.in_features * mlp.fc1.out_features + mlp.fc2.in_features * mlp.fc2.out_features
+    assert ltmp.patching.mlp_hidden(glu) == round(macs / (2 * 48)) != mlp.fc1.out_features

@@ -59,6 +59,12 @@ def conv_macs(conv: nn.Conv2d) -> float:
     return float(conv.out_channels * (conv.in_channels // conv.groups) * math.prod(conv.kernel_size))
 
 
+def mlp_width(mlp: nn.Module, dim: int) -> int:
+    """h of eq. 11 for an MLP of model width ``dim``: the width with 2 dim h = its linear MACs per token (fc1's
+    width for a plain two-layer MLP; for a gated MLP, the width that gives its MACs)."""
+    return round(linear_macs(mlp) / (2 * dim))
+
+
 def norm_macs(*mods: nn.Module | None, count: bool = True) -> float:
     """fvcore's LayerNorm MACs per token inside ``mods``: 5 per element (4 without affine); 0 unless ``count``."""
     if not count:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, identity, linear_macs, norm_macs
+from . import Adapter, BlockView, conv_macs, identity, linear_macs, mlp_width, norm_macs
 
 SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
              "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*, vit_*_siglip_*)")
@@ -85,8 +85,7 @@ class TimmAdapter(Adapter):
         return int(model.embed_dim)
 
     def mlp_hidden(self, model: nn.Module) -> int:
-        mlp = model.blocks[0].mlp
-        return int(mlp.fc1.out_features) if hasattr(mlp, "fc1") else 4 * int(model.embed_dim)
+        return mlp_width(model.blocks[0].mlp, int(model.embed_dim))
 
     def patch_grid(self, model: nn.Module):
         pe = model.patch_embed
