@@ -1,4 +1,4 @@
-"""ltmp: Learned Thresholds token Merging and Pruning for timm vision transformers.
+"""ltmp: Learned Thresholds token Merging and Pruning for vision transformers (timm, transformers, OpenCLIP).
 
 Bonnaerens & Dambre, "Learned Thresholds Token Merging and Pruning for Vision Transformers", TMLR 2023.
 

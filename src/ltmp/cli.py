@@ -28,7 +28,7 @@ def _rates(text: str | None):
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required,
-                   help="timm model name (deit_small_patch16_224) or local-dir:PATH"
+                   help="timm model name (deit_small_patch16_224), local-dir:PATH, hf:DIR_OR_NAME or open_clip:ARCH"
                         + ("" if required else " (default: the bundled CIFAR-10 ViT, pretrained)"))
     p.add_argument("--pretrained", action="store_true", help="load timm's pretrained (or the local-dir) weights")
     p.add_argument("--checkpoint", help="weights file: timm, torch or safetensors state dict")
@@ -393,13 +393,13 @@ def cmd_pretrain(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ltmp", description="Learned Thresholds token Merging and Pruning for timm ViTs")
+    p = argparse.ArgumentParser(prog="ltmp", description="Learned Thresholds token Merging and Pruning for ViTs")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--version", action="version", version=f"ltmp {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    f = sub.add_parser("flops", help="dense GMACs of a timm ViT (fvcore convention)")
-    f.add_argument("--model", required=True, help="timm model name, e.g. deit_small_patch16_224")
+    f = sub.add_parser("flops", help="dense GMACs of a ViT (fvcore convention)")
+    f.add_argument("--model", required=True, help="timm name, local-dir:PATH, hf:DIR or open_clip:ARCH")
     f.set_defaults(func=cmd_flops)
 
     t = sub.add_parser("train", help="learn the thresholds (one epoch, frozen backbone, the paper's recipe)")

@@ -42,7 +42,7 @@ class TrainError(LtmpError):
 class TrainConfig:
     """Everything a threshold-training run depends on; saved as config.json beside the thresholds."""
 
-    model: str  # timm model name, or local-dir:PATH
+    model: str  # timm model name, local-dir:PATH, hf:DIR_OR_NAME or open_clip:ARCH
     data_dir: str  # ImageFolder root (train/ and val/ splits) or a .tar.gz of that layout
     output: str  # run folder: thresholds.safetensors, config.json, log.jsonl, checkpoint.safetensors
     r_target: float  # FLOPs reduction target of eq. 14, in (0, 1]
