@@ -488,20 +488,33 @@ def _reduce_single(
 def _split(scores: Tensor, k: int, largest: bool, offset: int, step: int, n: int) -> tuple[Tensor, Tensor]:
     """The ``k`` highest (lowest) of each row of ``scores`` (B, M), ties to the earlier row, at token positions
     ``offset + step * row`` of ``n``: the kept positions (B, n - k) and the chosen ones (B, k), each in ascending
-    position order. Two sorts: the selection (stable) and the order of the tokens. Exports use top-k (ONNX has
-    no stable sort), the second one on keys that never tie."""
+    position order. The selection is a stable sort (exports: a top-k, as ONNX has no stable sort); the order of
+    the tokens one top-k on keys that never tie (a top-k is one operator, a sort eight)."""
     B = scores.shape[0]
     if is_exporting():
         rows = scores.topk(k, dim=1, largest=largest).indices  # (B, k)
     else:
         rows = scores.sort(dim=1, descending=largest, stable=True).indices[:, :k]  # (B, k)
-    gone = torch.zeros(B, n, dtype=torch.uint8, device=scores.device).scatter_(1, offset + step * rows, 1)  # (B, n)
-    if is_exporting():
-        key = gone.long() * n + torch.arange(n, device=gone.device)  # (B, n) (chosen, position): no ties
-        order = key.topk(n, dim=1, largest=False).indices  # (B, n)
-    else:
-        order = gone.sort(dim=1, stable=True).indices  # (B, n) kept positions in order, then the chosen ones
+    key = torch.zeros(B, n, dtype=torch.long, device=scores.device).scatter_(1, offset + step * rows, value=n)  # (B, n)
+    key += torch.arange(n, device=scores.device)  # (B, n) (chosen, position): no ties
+    order = key.topk(n, dim=1, largest=False).indices  # (B, n) kept positions in order, then the chosen ones
     return order[:, :n - k], order[:, n - k:]
+
+
+def _survivors(scores: Tensor, k: int, offset: int) -> Tensor:
+    """Positions (B, n - k + offset) that survive pruning the ``k`` lowest ``scores`` (B, n) of the tokens at
+    ``offset ..``, ties to the earlier position: the ``offset`` prefix positions, then the others in order. The
+    chosen set of :func:`_split` (its stable sort), with the kept positions ordered by one top-k of the n - k
+    survivors instead of a scatter and a sort over all positions."""
+    if is_exporting():  # ONNX has no stable sort: _split's top-k form
+        return _split(scores, k, largest=False, offset=offset, step=1, n=offset + scores.shape[1])[0]
+    rest = scores.sort(dim=1, stable=True).indices[:, k:]  # (B, n - k) surviving rows
+    rest = rest.topk(rest.shape[1], dim=1, largest=False).values  # (B, n - k) in order (distinct: no ties; a
+    #                                                               top-k is one operator, a sort eight)
+    if offset == 0:
+        return rest
+    prefix = torch.arange(offset, device=scores.device).expand(scores.shape[0], offset)  # (B, offset)
+    return torch.cat([prefix, rest + offset], dim=1)  # (B, n - k + offset)
 
 
 def _gather(keep: Tensor, *tensors: Tensor | None) -> list[Tensor | None]:
@@ -553,8 +566,11 @@ def _reduce_fixed(
             if k <= 0:
                 continue
             imp = ops.cast(importance.detach(), torch.promote_types(importance.dtype, torch.float32))[:, P:]  # (B, N-P)
-            keep, _ = _split(imp, k, largest=False, offset=P, step=1, n=N)  # (B, N - k) kept positions, in order
-            x, size, source, importance = _gather(keep, x, size, source, importance)
+            keep = _survivors(imp, k, P)  # (B, N - k) kept positions, in order
+            if state.merged_once:
+                x, size, source = _gather(keep, x, size, source)
+            else:  # every size is still 1: any N - k of them
+                (x, source), size = _gather(keep, x, source), size[:, :N - k]
             N, n_pruned = N - k, k
     n_kept = N - P
     result = StepResult(merged=n_merged, pruned=n_pruned, kept=n_kept, kept_frac=n_kept)
