@@ -191,7 +191,7 @@ def _patched_class(base: type, adapter: Adapter) -> type:
     if base not in _CLASSES:
         body = {"_ltmp_base": base, "_ltmp_adapter": adapter, "forward": _patched_forward,
                 "__module__": base.__module__, "__doc__": base.__doc__, **adapter.extra_methods()}
-        _CLASSES[base] = type(adapter.patched_name(base), (base,), body)
+        _CLASSES[base] = type(f"LTMP{base.__name__}", (base,), body)
     return _CLASSES[base]
 
 

@@ -59,12 +59,6 @@ def conv_macs(conv: nn.Conv2d) -> float:
     return float(conv.out_channels * (conv.in_channels // conv.groups) * math.prod(conv.kernel_size))
 
 
-def mlp_width(mlp: nn.Module, dim: int) -> int:
-    """h of eq. 11 for an MLP of model width ``dim``: the width with 2 dim h = its linear MACs per token (fc1's
-    width for a plain two-layer MLP; for a gated MLP, the width that gives its MACs)."""
-    return round(linear_macs(mlp) / (2 * dim))
-
-
 def norm_macs(*mods: nn.Module | None, count: bool = True) -> float:
     """fvcore's LayerNorm MACs per token inside ``mods``: 5 per element (4 without affine); 0 unless ``count``."""
     if not count:
@@ -114,8 +108,9 @@ class Adapter:
         raise NotImplementedError
 
     def mlp_hidden(self, model: nn.Module) -> int:
-        """h of eq. 11."""
-        raise NotImplementedError
+        """h of eq. 11: the width with 2 C h = the first block's MLP MACs per token (fc1's width for a plain
+        two-layer MLP; for a gated MLP, the width that gives its MACs). Every family's blocks have an ``mlp``."""
+        return round(linear_macs(self.blocks(model)[0].mlp) / (2 * self.embed_dim(model)))
 
     def patch_grid(self, model: nn.Module) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         """(rows, columns) of patches at the model's image size, the patch size and the image size."""
@@ -140,10 +135,6 @@ class Adapter:
     def extra_methods(self) -> dict[str, Callable]:
         """More methods of the patched class (timm's ``forward_features``)."""
         return {}
-
-    def patched_name(self, base: type) -> str:
-        """The patched class's name."""
-        return f"LTMP{base.__name__}"
 
 
 def _adapters() -> list[Adapter]:

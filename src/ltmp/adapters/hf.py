@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, identity, linear_macs, mlp_width, norm_macs
+from . import Adapter, BlockView, conv_macs, identity, linear_macs, norm_macs
 
 #: class name -> the head on top of the backbone ("" for a backbone itself)
 HEADS = {
@@ -104,9 +104,6 @@ class HFAdapter(Adapter):
 
     def embed_dim(self, model: nn.Module) -> int:
         return int(backbone(model).config.hidden_size)
-
-    def mlp_hidden(self, model: nn.Module) -> int:
-        return mlp_width(self.blocks(model)[0].mlp, self.embed_dim(model))
 
     def patch_grid(self, model: nn.Module):
         cfg = backbone(model).config

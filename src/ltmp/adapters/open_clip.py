@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, linear_macs, mlp_width, norm_macs
+from . import Adapter, BlockView, conv_macs, linear_macs, norm_macs
 
 SUPPORTED = ("open_clip VisionTransformer (the visual tower: patch model.visual) with ResidualAttentionBlock and "
              "'tok' or 'avg' pooling")
@@ -112,9 +112,6 @@ class OpenClipAdapter(Adapter):
 
     def embed_dim(self, model: nn.Module) -> int:
         return int(_tower(model).conv1.out_channels)
-
-    def mlp_hidden(self, model: nn.Module) -> int:
-        return mlp_width(self.blocks(model)[0].mlp, self.embed_dim(model))
 
     def patch_grid(self, model: nn.Module):
         model = _tower(model)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, identity, linear_macs, mlp_width, norm_macs
+from . import Adapter, BlockView, conv_macs, identity, linear_macs, norm_macs
 
 SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
              "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*, vit_*_siglip_*)")
@@ -83,9 +83,6 @@ class TimmAdapter(Adapter):
 
     def embed_dim(self, model: nn.Module) -> int:
         return int(model.embed_dim)
-
-    def mlp_hidden(self, model: nn.Module) -> int:
-        return mlp_width(model.blocks[0].mlp, int(model.embed_dim))
 
     def patch_grid(self, model: nn.Module):
         pe = model.patch_embed
