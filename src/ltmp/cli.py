@@ -119,9 +119,8 @@ def cmd_eval(args) -> int:
     from .runtime import compile_model, create_model, pick_device
 
     gmacs = args.match_gmacs if args.match is None else _eval_json(args.match, "--match")["gmacs"]
-    classes = ldata.class_names(args.data_dir, args.val_split) if args.model.startswith("open_clip:") else None
-    model = _reduced_model(args, create_model(args.model, args.pretrained, args.checkpoint, classes), gmacs,
-                           dense_ok=True)
+    model = _reduced_model(args, create_model(args.model, args.pretrained, args.checkpoint,
+                                              (args.data_dir, args.val_split)), gmacs, dense_ok=True)
     dataset = ldata.eval_set(model, args.data_dir, args.val_split, args.max_images)
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
                         collate_fn=ldata.collate_skip)

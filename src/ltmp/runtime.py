@@ -11,15 +11,15 @@ from .errors import LtmpError
 
 
 def create_model(name: str, pretrained: bool = False, checkpoint: str | None = None,
-                 classes: list[str] | None = None) -> nn.Module:
+                 classes_from: tuple[str, str] | None = None) -> nn.Module:
     """A model by name, with pretrained weights or a checkpoint file.
 
     - a timm name or ``local-dir:PATH`` (timm);
     - ``hf:DIR_OR_NAME``: a transformers image classifier (``AutoModelForImageClassification``), always with its
       weights (or the checkpoint's); its preprocessing comes from the folder's image processor config;
     - ``open_clip:ARCH``: OpenCLIP's visual tower of ARCH, with ``--checkpoint FILE``; it returns image
-      embeddings. With ``classes`` (class folder names), the tower as a zero-shot classifier of those classes
-      (:class:`ltmp.adapters.open_clip.ZeroShotClassifier`).
+      embeddings. With ``classes_from`` (a data dir and split), the tower as a zero-shot classifier of that split's
+      class folders (:class:`ltmp.adapters.open_clip.ZeroShotClassifier`); other families ignore it.
 
     Models outside timm carry a timm-style ``pretrained_cfg`` (input size, mean, std), so that timm's data config
     and transforms serve every family.
@@ -27,6 +27,9 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
     if name.startswith("hf:"):
         return _create_hf(name[3:], checkpoint)
     if name.startswith("open_clip:"):
+        from .data import class_names
+
+        classes = class_names(*classes_from) if classes_from else None
         return _create_open_clip(name[len("open_clip:"):], pretrained, checkpoint, classes)
     import timm
 

@@ -307,8 +307,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         if not resume and ckpt_path.exists():
             ckpt_path.unlink()  # a stale checkpoint of an earlier run must not be resumed later
     torch.manual_seed(cfg.seed)
-    classes = ldata.class_names(cfg.data_dir, cfg.train_split) if cfg.model.startswith("open_clip:") else None
-    model = create_model(cfg.model, cfg.pretrained, cfg.checkpoint, classes)  # open_clip: zero-shot classifier
+    model = create_model(cfg.model, cfg.pretrained, cfg.checkpoint,
+                         (cfg.data_dir, cfg.train_split))  # open_clip: a zero-shot classifier of these classes
     require_classifier(model)
     teacher = None
     if cfg.distill > 0:  # the same weights without reduction: its logits are the target of the distillation term
