@@ -489,7 +489,7 @@ def _split(scores: Tensor, k: int, largest: bool, offset: int, step: int, n: int
     """The ``k`` highest (lowest) of each row of ``scores`` (B, M), ties to the earlier row, at token positions
     ``offset + step * row`` of ``n``: the kept positions (B, n - k) and the chosen ones (B, k), each in ascending
     position order. The selection is a stable sort (exports: a top-k, as ONNX has no stable sort); the order of
-    the tokens one top-k on keys that never tie (a top-k is one operator, a sort eight)."""
+    the tokens one top-k on keys that never tie (fewer nested operator calls than a sort)."""
     B = scores.shape[0]
     if is_exporting():
         rows = scores.topk(k, dim=1, largest=largest).indices  # (B, k)
@@ -510,7 +510,7 @@ def _survivors(scores: Tensor, k: int, offset: int) -> Tensor:
         return _split(scores, k, largest=False, offset=offset, step=1, n=offset + scores.shape[1])[0]
     rest = scores.sort(dim=1, stable=True).indices[:, k:]  # (B, n - k) surviving rows
     rest = rest.topk(rest.shape[1], dim=1, largest=False).values  # (B, n - k) in order (distinct: no ties; a
-    #                                                               top-k is one operator, a sort eight)
+    #                                                               top-k makes fewer nested calls than a sort)
     if offset == 0:
         return rest
     prefix = torch.arange(offset, device=scores.device).expand(scores.shape[0], offset)  # (B, offset)
