@@ -39,23 +39,56 @@ from .reduce import (
 THRESHOLD_NAMES = ("merge_threshold", "prune_threshold")
 
 
-@dataclasses.dataclass
 class Record:
     """The record of the last forward of a patched model, overwritten by every forward (read with ltmp.stats).
 
-    All per-layer tensors are (B, L): one row per image, one column per block.
+    All per-layer tensors are (B, L): one row per image, one column per block. When every image's counts are known
+    on the host (the fixed-rate and single-image steps), the tensors are built on first read, so that a forward
+    nobody inspects launches no operators for its record.
     """
 
-    method: str  # the patched method
-    merged: Tensor  # (B, L) tokens merged away in each block
-    pruned: Tensor  # (B, L) tokens pruned in each block
-    kept: Tensor  # (B, L) patch tokens left after each block
-    keep_frac: Tensor  # (B, L + 1) fraction of patch tokens kept, m-bar of eq. 13 (column 0 is 1); differentiable
-    padded: list[int]  # (L + 1) tokens in the tensor entering each block and leaving the last (executed compute)
-    num_patches: int  # n of eq. 13
-    num_prefix: int  # prefix tokens, always kept
-    sources: list[Tensor] | None = None  # per block (B, N_l, n) patch membership of each token, if traced
-    keeps: list[Tensor] | None = None  # per block (B, N_l) survivors, if traced
+    def __init__(self, method: str, counts: tuple[Tensor, Tensor, Tensor, Tensor] | None, padded: list[int],
+                 num_patches: int, num_prefix: int, sources: list[Tensor] | None = None,
+                 keeps: list[Tensor] | None = None,
+                 host: tuple[list[tuple[int, int, int]], int, torch.device, torch.dtype] | None = None):
+        self.method = method  # the patched method
+        self.padded = padded  # (L + 1) tokens in the tensor entering each block and leaving the last (executed compute)
+        self.num_patches = num_patches  # n of eq. 13
+        self.num_prefix = num_prefix  # prefix tokens, always kept
+        self.sources = sources  # per block (B, N_l, n) patch membership of each token, if traced
+        self.keeps = keeps  # per block (B, N_l) survivors, if traced
+        self._counts = counts  # (merged, pruned, kept, keep_frac), or None until built from ``host``
+        self._host = host  # per block (merged, pruned, kept) of every image, the batch size, device, keep_frac dtype
+
+    def _built(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if self._counts is None:
+            rows, batch, device, dtype = self._host
+            counts = torch.tensor(rows, device=device).T[:, None]  # (3, 1, L)
+            merged, pruned, kept = counts.repeat(1, batch, 1).unbind(0)  # (B, L) each
+            n = self.num_patches
+            keep_frac = torch.cat([kept.new_full((batch, 1), n), kept], 1).to(dtype) / n  # (B, L + 1)
+            self._counts, self._host = (merged, pruned, kept, keep_frac), None
+        return self._counts
+
+    @property
+    def merged(self) -> Tensor:
+        """(B, L) tokens merged away in each block."""
+        return self._built()[0]
+
+    @property
+    def pruned(self) -> Tensor:
+        """(B, L) tokens pruned in each block."""
+        return self._built()[1]
+
+    @property
+    def kept(self) -> Tensor:
+        """(B, L) patch tokens left after each block."""
+        return self._built()[2]
+
+    @property
+    def keep_frac(self) -> Tensor:
+        """(B, L + 1) fraction of patch tokens kept, m-bar of eq. 13 (column 0 is 1); differentiable in train mode."""
+        return self._built()[3]
 
 
 def _rate(value: int | Sequence[int] | None, depth: int, name: str) -> tuple[int, ...]:
@@ -222,21 +255,16 @@ def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:
             keeps.append(state.keep > 0.5)
     if is_exporting() or torch.jit.is_tracing():  # symbolic counts: exported graphs have no record
         return x, state
+    rec = dict(method=cfg.method, padded=padded, num_patches=n, num_prefix=cfg.num_prefix, sources=sources,
+               keeps=keeps)
     if isinstance(steps[0].kept, int):  # counts known on the host (the single-image and fixed-rate steps)
-        counts = torch.tensor([[s.merged, s.pruned, s.kept] for s in steps], device=x.device).T[:, None]  # (3, 1, L)
-        merged, pruned, kept = counts.repeat(1, x.shape[0], 1).unbind(0)  # (B, L) each
-        keep_frac = torch.cat([kept.new_full((x.shape[0], 1), n), kept], 1).to(state.size.dtype) / n  # (B, L + 1)
+        rows = [(s.merged, s.pruned, s.kept) for s in steps]
+        model.ltmp_record = Record(counts=None, host=(rows, x.shape[0], x.device, state.size.dtype), **rec)
     else:  # the masked step: per-image counts as tensors (the step kind is the same in every block)
         merged, pruned, kept = (torch.stack([getattr(s, f) for s in steps], 1) for f in ("merged", "pruned", "kept"))
         ones = x.new_ones(x.shape[0], dtype=state.keep.dtype)
         keep_frac = torch.stack([ones] + [s.kept_frac / n for s in steps], 1)
-    model.ltmp_record = Record(
-        method=cfg.method,
-        merged=merged,
-        pruned=pruned,
-        kept=kept,
-        keep_frac=keep_frac,
-        padded=padded, num_patches=n, num_prefix=cfg.num_prefix, sources=sources, keeps=keeps)
+        model.ltmp_record = Record(counts=(merged, pruned, kept, keep_frac), **rec)
     return x, state
 
 

@@ -502,19 +502,16 @@ def _split(scores: Tensor, k: int, largest: bool, offset: int, step: int, n: int
 
 
 def _survivors(scores: Tensor, k: int, offset: int) -> Tensor:
-    """Positions (B, n - k + offset) that survive pruning the ``k`` lowest ``scores`` (B, n) of the tokens at
-    ``offset ..``, ties to the earlier position: the ``offset`` prefix positions, then the others in order. The
-    chosen set of :func:`_split` (its stable sort), with the kept positions ordered by one top-k of the n - k
-    survivors instead of a scatter and a sort over all positions."""
+    """Positions (B, n - k) that survive pruning the ``k`` lowest ``scores`` (B, n) of the tokens at ``offset ..``,
+    ties to the earlier position, in order (the ``offset`` prefix positions first). The chosen set of
+    :func:`_split` (its stable sort), with the survivors ordered by one top-k instead of a scatter and a sort over
+    all positions. Overwrites the prefix scores with +inf (callers pass a tensor of their own)."""
     if is_exporting():  # ONNX has no stable sort: _split's top-k form
-        return _split(scores, k, largest=False, offset=offset, step=1, n=offset + scores.shape[1])[0]
-    rest = scores.sort(dim=1, stable=True).indices[:, k:]  # (B, n - k) surviving rows
-    rest = rest.topk(rest.shape[1], dim=1, largest=False).values  # (B, n - k) in order (distinct: no ties; a
+        return _split(scores[:, offset:], k, largest=False, offset=offset, step=1, n=scores.shape[1])[0]
+    scores[:, :offset] = math.inf  # the prefix survives
+    rest = scores.sort(dim=1, stable=True).indices[:, k:]  # (B, n - k) surviving positions
+    return rest.topk(rest.shape[1], dim=1, largest=False).values  # (B, n - k) in order (distinct: no ties; a
     #                                                               top-k makes fewer nested calls than a sort)
-    if offset == 0:
-        return rest
-    prefix = torch.arange(offset, device=scores.device).expand(scores.shape[0], offset)  # (B, offset)
-    return torch.cat([prefix, rest + offset], dim=1)  # (B, n - k + offset)
 
 
 def _gather(keep: Tensor, *tensors: Tensor | None) -> list[Tensor | None]:
@@ -565,7 +562,7 @@ def _reduce_fixed(
             k = min(rate, N - P - (1 if cfg.keep_one else 0))
             if k <= 0:
                 continue
-            imp = ops.cast(importance.detach(), torch.promote_types(importance.dtype, torch.float32))[:, P:]  # (B, N-P)
+            imp = ops.cast(importance.detach(), torch.promote_types(importance.dtype, torch.float32))  # (B, N)
             keep = _survivors(imp, k, P)  # (B, N - k) kept positions, in order
             if state.merged_once:
                 x, size, source = _gather(keep, x, size, source)
