@@ -8,7 +8,6 @@ tokens are (:class:`ltmp.adapters.BlockView`).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
