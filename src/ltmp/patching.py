@@ -344,7 +344,7 @@ def _attention(view: BlockView, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | 
     if cfg.needs_importance and e.importance_from_lse and e.fused_attention and hard \
             and not torch.is_grad_enabled() and not view.training and not is_exporting():
         bias = ops.key_bias(keep, ls, q.dtype)  # (B, N) or None
-        bias = None if bias is None else bias[:, None, None, :]  # (B, 1, 1, N)
+        bias = None if bias is None else bias.view(B, 1, 1, N)  # (B, 1, 1, N)
         fused = ops.attention_with_lse(q, k, v, view.scale, bias)
     if fused is not None:
         o, lse = fused  # (B, H, N, D), (B, H, N)
@@ -357,7 +357,7 @@ def _attention(view: BlockView, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | 
         del probs
     else:  # hard masks only: a fused kernel with an additive bias does the same
         bias = ops.key_bias(keep, ls, q.dtype)  # (B, N) or None
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias[:, None, None, :],
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.view(B, 1, 1, N),
                                            dropout_p=drop, scale=view.scale)
     return o.transpose(1, 2).reshape(B, N, H * D), importance  # (B, N, H * D), (B, N) or None
 
@@ -406,7 +406,7 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
                 importance = ig.new_zeros(B, N)  # (B, N)
             importance[sel, :n] = ig.to(importance.dtype)
         if cfg.needs_metric:
-            metric[sel, :n] = k.mean(1).to(metric.dtype)  # (b, n, D)
+            metric[sel, :n] = k.sum(1).to(metric.dtype)  # (b, n, D)
     out = view.out(view.head_norm(o[:T]))  # (T, C)
     x = x.reshape(B * N, C).index_add(0, idx, out.to(x.dtype)).view(B, N, C)  # (B, N, C)
     return x, importance, metric
@@ -450,7 +450,9 @@ def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceC
         x = x + view.out(view.head_norm(o) * gate)  # (B, N, C)
     else:
         x = _tokenwise(lambda t: view.out(view.head_norm(t)), o, idx, x)  # (B, N, C)
-    return x, importance, k.mean(1) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
+    # the merge metric: keys summed over heads (the paper's and ToMe's mean, up to a scale that cosine similarity
+    # ignores; a sum makes 3 operator calls, a mean 9)
+    return x, importance, k.sum(1) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
 
 
 def score_ranges(model: nn.Module) -> dict[str, tuple[float, float]]:

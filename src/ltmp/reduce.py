@@ -226,7 +226,7 @@ def reduce_step(
         layer: Block index (for per-layer fixed rates).
         importance: (B, N) importance scores (:func:`ltmp.ops.importance_scores` of this block's attention), if
             the method prunes.
-        metric: (B, N, D) keys averaged over heads, if the method merges.
+        metric: (B, N, D) keys summed over heads, if the method merges.
         merge_threshold, prune_threshold: Learned thresholds (scalars), for the threshold methods.
         rate: The fixed-rate methods' tokens for this block, if already looked up (``cfg.rate[layer]``); the
             patched forward passes it so that compiled blocks guard on the rate, not on the block index.
@@ -435,7 +435,7 @@ def _reduce_single(
                 sim[:, :P // 2] = float("-inf")  # B columns inside the prefix
             if exporting:  # a -inf column keeps max() defined when set B is empty; it is never selected
                 sim = torch.cat([sim, sim.new_full((sim.shape[0], 1), float("-inf"))], dim=1)
-            best, j = sim.max(dim=-1)  # (Na,), (Na,)
+            best, j = ops.row_max(sim)  # (Na,), (Na,)
             if cfg.learned:
                 sel = (best > merge_threshold).nonzero().squeeze(1)  # (M,) merged A rows
             else:
@@ -485,20 +485,21 @@ def _reduce_single(
                          merged_once=merged_once), result
 
 
-def _split(scores: Tensor, k: int, largest: bool, offset: int, step: int, n: int) -> tuple[Tensor, Tensor]:
+def _split(scores: Tensor, k: int, largest: bool, offset: int, step: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
     """The ``k`` highest (lowest) of each row of ``scores`` (B, M), ties to the earlier row, at token positions
-    ``offset + step * row`` of ``n``: the kept positions (B, n - k) and the chosen ones (B, k), each in ascending
-    position order. The selection is a stable sort (exports: a top-k, as ONNX has no stable sort); the order of
-    the tokens one top-k on keys that never tie (fewer nested operator calls than a sort)."""
+    ``offset + step * row`` of ``n``: the kept positions (B, n - k), and the chosen rows and their positions
+    (B, k), each in ascending order. The selection is a stable sort (exports: a top-k, as ONNX has no stable sort);
+    each order one top-k on values that never tie (fewer nested operator calls than a sort)."""
     B = scores.shape[0]
     if is_exporting():
         rows = scores.topk(k, dim=1, largest=largest).indices  # (B, k)
     else:
         rows = scores.sort(dim=1, descending=largest, stable=True).indices[:, :k]  # (B, k)
-    key = torch.zeros(B, n, dtype=torch.long, device=scores.device).scatter_(1, offset + step * rows, value=n)  # (B, n)
+    rows = rows.topk(k, dim=1, largest=False).values  # (B, k) ascending
+    pos = offset + step * rows  # (B, k)
+    key = torch.zeros(B, n, dtype=torch.long, device=scores.device).scatter_(1, pos, value=n)  # (B, n)
     key += torch.arange(n, device=scores.device)  # (B, n) (chosen, position): no ties
-    order = key.topk(n, dim=1, largest=False).indices  # (B, n) kept positions in order, then the chosen ones
-    return order[:, :n - k], order[:, n - k:]
+    return key.topk(n - k, dim=1, largest=False).indices, rows, pos  # (B, n - k) kept positions in order
 
 
 def _survivors(scores: Tensor, k: int, offset: int) -> Tensor:
@@ -516,8 +517,13 @@ def _survivors(scores: Tensor, k: int, offset: int) -> Tensor:
 
 def _gather(keep: Tensor, *tensors: Tensor | None) -> list[Tensor | None]:
     """The tensors (B, N, ...) at the positions ``keep`` (B, N')."""
-    return [None if t is None else t.gather(1, keep.view(*keep.shape, *([1] * (t.dim() - 2))).expand(
-        -1, -1, *t.shape[2:])) for t in tensors]
+    return [None if t is None else t.gather(1, keep) if t.dim() == 2 else t.gather(1, _rows(keep, t.shape[2]))
+            for t in tensors]
+
+
+def _rows(index: Tensor, width: int) -> Tensor:
+    """Token positions (B, k) as a gather/scatter index of rows of ``width`` channels: (B, k, width)."""
+    return index.view(*index.shape, 1).expand(*index.shape, width)
 
 
 def _reduce_fixed(
@@ -551,9 +557,9 @@ def _reduce_fixed(
             sim = ops.cosine_similarity(metric, first_a=2 * a0)  # (B, Na, Nb)
             if P > 1:
                 sim[..., :P // 2] = float("-inf")  # B columns inside the prefix
-            best, j = sim.max(dim=-1)  # (B, Na), (B, Na)
-            keep, src = _split(best, k, largest=True, offset=2 * a0, step=2, n=N)  # (B, N - k), (B, k) in order
-            dst = 2 * j.gather(1, (src - 2 * a0) // 2) + 1  # (B, k) the B position each merged A token joins
+            best, j = ops.row_max(sim)  # (B, Na), (B, Na)
+            keep, rows, src = _split(best, k, largest=True, offset=2 * a0, step=2, n=N)  # (B, N - k), (B, k) x 2
+            dst = 2 * j.gather(1, rows) + 1  # (B, k) the B position each merged A token joins
             x, size, source, importance = _merge_rows(x, size, source, importance, src, dst)
             x, size, source, importance = _gather(keep, x, size, source, importance)
             N, n_merged = N - k, k
@@ -581,19 +587,18 @@ def _merge_rows(x: Tensor, size: Tensor, source: Tensor | None, importance: Tens
     up and a merged token's importance is its group's max. Tokens that receive nothing are returned bit-identical;
     none is removed. The fixed-rate step and the single-image step (B = 1) both merge here.
     """
-    C = x.shape[2]
+    B, N, C = x.shape
     dt = torch.promote_types(x.dtype, size.dtype)
     s = ops.cast(size, dt)  # (B, N)
-    xw = ops.cast(x, dt) * s[..., None]  # (B, N, C) size-weighted tokens
-    dst_c = dst[..., None].expand(-1, -1, C)  # (B, k, C)
-    num = xw.scatter_add(1, dst_c, xw.gather(1, src[..., None].expand(-1, -1, C)))  # (B, N, C)
+    xw = ops.cast(x, dt) * s.view(B, N, 1)  # (B, N, C) size-weighted tokens
+    dst_c = _rows(dst, C)  # (B, k, C)
+    num = xw.scatter_add(1, dst_c, xw.gather(1, _rows(src, C)))  # (B, N, C)
     den = s.scatter_add(1, dst, s.gather(1, src))  # (B, N)
-    merged = num.gather(1, dst_c) / den.gather(1, dst)[..., None]  # (B, k, C) the targets' new values
+    merged = num.gather(1, dst_c) / den.gather(1, dst).view(*dst.shape, 1)  # (B, k, C) the targets' new values
     x = x.scatter(1, dst_c, ops.cast(merged, x.dtype))  # (B, N, C); the other tokens stay bit-identical
     if source is not None:
         K = source.shape[2]
-        source = source.scatter_add(1, dst[..., None].expand(-1, -1, K), source.gather(1, src[..., None].expand(
-            -1, -1, K)))  # (B, N, N0)
+        source = source.scatter_add(1, _rows(dst, K), source.gather(1, _rows(src, K)))  # (B, N, N0)
     if importance is not None:
         importance = importance.scatter_reduce(1, dst, importance.gather(1, src), "amax")  # (B, N)
     return x, ops.cast(den, size.dtype), source, importance
@@ -627,7 +632,9 @@ def log_size(state: TokenState) -> Tensor | None:
     """log of the token sizes for proportional attention (ToMe), or None while all sizes are 1."""
     if not state.merged_once:
         return None
-    return state.size.clamp(min=1).log()  # (B, N); padding (size 0) is masked anyway
+    if not state.masked_once:  # every token is real: sizes >= 1
+        return state.size.log()  # (B, N)
+    return state.size.clamp(min=1).log()  # (B, N); padding and removed tokens (size 0) are masked anyway
 
 
 def no_reduction_thresholds() -> tuple[float, float]:
