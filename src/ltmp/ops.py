@@ -64,13 +64,20 @@ def _autocast_off(device_type: str):
     return torch.autocast(device_type, enabled=False) if _autocast_on(device_type) else contextlib.nullcontext()
 
 
+def _hard(keep: Tensor) -> Tensor:
+    """A keep mask's values (exactly 0 or 1, also straight-through ones) without its gradient."""
+    return keep.detach() if keep.requires_grad else keep
+
+
 def key_bias(keep: Tensor | None, log_size: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """The additive bias (B, N) of hard masks over the keys: log size (proportional attention), -inf for removed
     keys; None when there is neither."""
     if keep is None and log_size is None:
         return None
-    bias = cast(log_size, dtype) if log_size is not None else keep.new_zeros(keep.shape, dtype=dtype)  # (B, N)
-    return bias if keep is None else bias.masked_fill(keep <= 0.5, float("-inf"))
+    mask = None if keep is None else cast(_hard(keep).log(), dtype)  # (B, N) 0 kept, -inf removed (keep is 0/1)
+    if log_size is None:
+        return mask
+    return cast(log_size, dtype) if mask is None else cast(log_size, dtype) + mask  # (B, N)
 
 
 def masked_attention(
@@ -215,11 +222,12 @@ def importance_scores(probs: Tensor, keep: Tensor | None, kind: str) -> Tensor:
     if keep is None:
         return probs.mean(dim=(1, 2))  # (B, N)
     B, H, N, _ = probs.shape
-    rows = (keep > 0.5).to(probs.dtype)  # (B, N)
-    w = rows / (H * rows.sum(dim=1, keepdim=True))  # (B, N) weight of each query row
+    rows = cast(_hard(keep), probs.dtype)  # (B, N)
+    rows = rows.view(B, 1, 1, N).expand(B, 1, H, N).reshape(B, 1, H * N)  # (B, 1, H * N) each head's query rows
+    w = rows / rows.sum(dim=2, keepdim=True)  # (B, 1, H * N) weight of each query row, 1 / (H n)
     # one pass over the probabilities: (B, 1, H*N) @ (B, H*N, N), in the probabilities' precision (not autocast's)
     with _autocast_off(probs.device.type):
-        return torch.bmm(w[:, None, :].repeat(1, 1, H), probs.reshape(B, H * N, N)).squeeze(1)  # (B, N)
+        return torch.bmm(w, probs.reshape(B, H * N, N)).view(B, N)  # (B, N)
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None
@@ -495,34 +503,47 @@ def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = Non
         x (B, N', C), size (B, N'), source (B, N', N0) or None, the new keep mask (B, N') and ``counts`` (read
         back from the device when not given: the one host synchronisation of a learned-threshold block).
     """
-    B, N = alive.shape
-    c = alive.sum(1)  # (B,)
-    if counts is None:
-        counts = c.tolist()  # the one host synchronisation
-    n_new = max(counts)
-    slot = alive.long().cumsum(1) - 1  # (B, N) rank among the survivors
-    target = torch.where(alive, slot, n_new)  # (B, N); removed tokens go to the dump slot n_new
-    # below, a token merged into a survivor joins its slot (into a pruned token: the dump)
+    target, counts = slots(alive, counts)  # (B, N)
+    if merge is not None:  # a token merged into a survivor joins its slot (into a removed token: the dump)
+        target = torch.where(merge, target.gather(1, dst), target)  # (B, N)
+    return gather_slots(target, max(counts), x, size, source, merge is not None) + (counts,)
 
-    def scatter(t: Tensor, add: bool) -> Tensor:  # t (B, N, ...) into (B, N', ...)
+
+def slots(alive: Tensor, counts: list[int] | None = None) -> tuple[Tensor, list[int]]:
+    """Where :func:`contract` puts each token: its rank among the survivors ``alive`` (B, N) of its image, or the
+    dump slot ``max(counts)`` if it is removed; and ``counts``, each image's survivors (read back from the device
+    when not given)."""
+    if counts is None:
+        counts = alive.sum(1).tolist()  # the one host synchronisation
+    slot = alive.cumsum(1) - 1  # (B, N) rank among the survivors
+    return slot.masked_fill_(~alive, max(counts)), counts  # (B, N)
+
+
+def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Tensor | None, merged: bool
+                 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """The tokens x (B, N, C), sizes (B, N) and patch maps (B, N, N0) summed into their slots ``target`` (B, N),
+    ``n_new`` of them plus the dump slot (cut off): each slot's tokens as a size-weighted average if ``merged``
+    (sizes add up), else a copy. Returns x (B, n_new, C), size (B, n_new), source (B, n_new, N0) or None and the
+    keep mask (B, n_new), 1 at real tokens and 0 at padding."""
+    B, N = target.shape
+
+    def scatter(t: Tensor, add: bool) -> Tensor:  # t (B, N, ...) into (B, n_new, ...)
         index = target.view(B, N, *([1] * (t.dim() - 2))).expand_as(t)
         out = t.new_zeros((B, n_new + 1) + t.shape[2:])
         return (out.scatter_add_(1, index, t) if add else out.scatter_(1, index, t))[:, :n_new]
 
-    if merge is None:  # survivors only: exact copies
+    if not merged:  # survivors only: exact copies
         x, size = scatter(x, False), scatter(size, False)  # (B, N', C), (B, N')
     else:  # every survivor becomes the size-weighted average of its group (one pass: those that received
         # nothing are x * s / s, equal to x up to rounding, as a batched matmul differs from a single one)
         dt = torch.promote_types(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
         s = cast(size, dt)  # (B, N)
-        target = torch.where(merge & alive.gather(1, dst), slot.gather(1, dst), target)  # (B, N)
         den = scatter(s, True)  # (B, N') sizes add up; 0 for padding
-        x = cast(scatter(cast(x, dt) * s[..., None], True) / den.clamp(min=1)[..., None], x.dtype)  # (B, N', C)
-        size = cast(den, size.dtype)
+        x = cast(scatter(cast(x, dt) * s.view(B, N, 1), True) / den.clamp(min=1).view(B, n_new, 1), x.dtype)
+        size = cast(den, size.dtype)  # (B, N')
     if source is not None:
         source = scatter(source, True)  # (B, N', N0) patch maps add up
-    keep = torch.arange(n_new, device=alive.device) < c[:, None]  # (B, N')
-    return x, size, source, keep.to(size.dtype), counts
+    return x, size, source, size.sign()  # every real token stands for >= 1 patch, padding for 0
 
 
 def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buckets: int = 4,

@@ -368,6 +368,8 @@ def _reduce_compact(
     masks, then merging and compaction in one scatter (:func:`ltmp.ops.contract`) instead of a merge pass, a
     mask bookkeeping pass and a compaction. One host synchronisation: the survivor counts.
     """
+    if cfg.ops[0] == "merge" and x.shape[1] > 1:
+        return _reduce_compact_merge_first(x, state, cfg, importance, metric, merge_threshold, prune_threshold)
     P = cfg.num_prefix
     alive = state.keep > 0.5  # (B, N) survivors, at the front of each row
     merge = dst = None
@@ -390,6 +392,66 @@ def _reduce_compact(
                                 merged_once=state.merged_once or merge is not None,
                                 masked_once=sum(counts) < keep.numel())
     return x, state, StepResult(merged=merged, pruned=pruned, kept=kept, kept_frac=kept)
+
+
+def _reduce_compact_merge_first(
+        x: Tensor,
+        state: TokenState,
+        cfg: ReduceConfig,
+        importance: Tensor | None,
+        metric: Tensor,
+        merge_threshold: Tensor,
+        prune_threshold: Tensor | None,
+) -> tuple[Tensor, TokenState, StepResult]:
+    """:func:`_reduce_compact` for the methods that merge first (``ltmp``, ``ltm``), in fewer operator calls: the
+    survivors sit at the front of each row, so set A is the even positions and set B the odd ones past the prefix
+    (ToMe's split, as :func:`ltmp.ops.best_match_contiguous`), and the merge decision stays in set-A rows. The same
+    decisions as :func:`_merge_decision` and :func:`_prune_decision` (the tests compare the steps): an A token
+    merges into its most similar surviving B token where the similarity passes the threshold (eq. 1), a target's
+    importance becomes its group's max, a surviving patch token is pruned unless its importance passes the
+    threshold, and ``keep_one`` spares an image's most important candidate when all would go.
+    """
+    B, N, _ = x.shape
+    P = cfg.num_prefix
+    keep = state.keep  # (B, N) 1 survivor, 0 padding
+    alive = keep.bool()  # (B, N)
+    mergeable = alive.clone()  # (B, N) tokens that may merge or receive: survivors past the prefix
+    mergeable[:, :P] = False
+    sim = ops.cosine_similarity(metric, first_a=0)  # (B, Na, Nb); NaN at padding (zero keys)
+    sim.masked_fill_(~mergeable[:, 1::2].unsqueeze(1), -math.inf)  # B columns that cannot receive
+    best, j = ops.row_max(sim)  # (B, Na), (B, Na) each A row's best B column (the first on ties)
+    merge_a = (best > merge_threshold) & mergeable[:, ::2]  # (B, Na) eq. 1
+    dst_a = 2 * j + 1  # (B, Na) the B position each A row would join
+    if importance is not None:  # a target's importance is its group's max (ops.group_max)
+        importance = importance.scatter_reduce(1, dst_a, importance[:, ::2].masked_fill(~merge_a, -math.inf),
+                                               reduce="amax")  # (B, N)
+    merged = torch.zeros_like(alive)  # (B, N)
+    merged[:, ::2] = merge_a
+    survive = alive & ~merged  # (B, N)
+    pruned = None
+    if "prune" in cfg.ops:
+        passes = importance > prune_threshold  # (B, N) eq. 1
+        passes[:, :P] = True  # prefix tokens are never pruned
+        drop = survive & ~passes  # (B, N)
+        if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
+            cand = survive.clone()
+            cand[:, :P] = False
+            top = importance.float().masked_fill(~cand, -math.inf).argmax(1, keepdim=True)  # (B, 1)
+            spare = torch.zeros_like(cand).scatter_(1, top, True) & drop.sum(1, keepdim=True).eq(
+                cand.sum(1, keepdim=True))  # (B, N)
+            drop = drop & ~spare
+        survive = survive & ~drop
+        pruned = drop.sum(1)  # (B,)
+    target, counts = ops.slots(survive)  # (B, N); the one host synchronisation
+    target_a = target[:, ::2]  # (B, Na) view: merged A rows join their target's slot (a pruned target's: the dump)
+    target_a.copy_(torch.where(merge_a, target.gather(1, dst_a), target_a))
+    x, size, source, keep = ops.gather_slots(target, max(counts), x, state.size, state.source, True)
+    merged = merge_a.sum(1)  # (B,)
+    kept = survive.sum(1) - P  # (B,)
+    state = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts, merged_once=True,
+                                masked_once=sum(counts) < keep.numel())
+    return x, state, StepResult(merged=merged, pruned=merged.new_zeros(B) if pruned is None else pruned, kept=kept,
+                                kept_frac=kept)
 
 
 def _reduce_single(
