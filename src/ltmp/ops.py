@@ -543,7 +543,7 @@ def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Te
         size = cast(den, size.dtype)  # (B, N')
     if source is not None:
         source = scatter(source, True)  # (B, N', N0) patch maps add up
-    return x, size, source, size.sign()  # every real token stands for >= 1 patch, padding for 0
+    return x, size, source, _hard(size).sign()  # every real token stands for >= 1 patch, padding for 0
 
 
 def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buckets: int = 4,

@@ -293,7 +293,7 @@ def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) ->
         return None
     if state.packed is not None and state.packed[0] is state.keep:
         return state.packed[1]
-    alive = (state.keep > 0.5).flatten()  # (B * N,)
+    alive = state.keep.flatten()  # (B * N,) 1 real, 0 padding
     if hasattr(torch, "nonzero_static"):  # the count is known on the host: no synchronisation
         idx = torch.nonzero_static(alive, size=state.real).squeeze(1)  # (T,)
     else:

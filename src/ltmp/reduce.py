@@ -442,12 +442,14 @@ def _reduce_compact_merge_first(
             drop = drop & ~spare
         survive = survive & ~drop
         pruned = drop.sum(1)  # (B,)
-    target, counts = ops.slots(survive)  # (B, N); the one host synchronisation
+    c = survive.sum(1)  # (B,)
+    counts = c.tolist()  # the one host synchronisation
+    target, _ = ops.slots(survive, counts)  # (B, N)
     target_a = target[:, ::2]  # (B, Na) view: merged A rows join their target's slot (a pruned target's: the dump)
     target_a.copy_(torch.where(merge_a, target.gather(1, dst_a), target_a))
     x, size, source, keep = ops.gather_slots(target, max(counts), x, state.size, state.source, True)
     merged = merge_a.sum(1)  # (B,)
-    kept = survive.sum(1) - P  # (B,)
+    kept = c - P  # (B,)
     state = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts, merged_once=True,
                                 masked_once=sum(counts) < keep.numel())
     return x, state, StepResult(merged=merged, pruned=merged.new_zeros(B) if pruned is None else pruned, kept=kept,
@@ -694,8 +696,8 @@ def log_size(state: TokenState) -> Tensor | None:
     """log of the token sizes for proportional attention (ToMe), or None while all sizes are 1."""
     if not state.merged_once:
         return None
-    if not state.masked_once:  # every token is real: sizes >= 1
-        return state.size.log()  # (B, N)
+    if not state.masked_once or (state.compact and not state.size.requires_grad):
+        return state.size.log()  # (B, N); sizes >= 1, or 0 at padding (-inf there: masked anyway)
     return state.size.clamp(min=1).log()  # (B, N); padding and removed tokens (size 0) are masked anyway
 
 
