@@ -526,11 +526,20 @@ def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Te
     (sizes add up), else a copy. Returns x (B, n_new, C), size (B, n_new), source (B, n_new, N0) or None and the
     keep mask (B, n_new), 1 at real tokens and 0 at padding."""
     B, N = target.shape
+    rows = None  # (B * N,) the slots as rows of the flattened (B * (n_new + 1), ...) output
 
     def scatter(t: Tensor, add: bool) -> Tensor:  # t (B, N, ...) into (B, n_new, ...)
-        index = target.view(B, N, *([1] * (t.dim() - 2))).expand_as(t)
-        out = t.new_zeros((B, n_new + 1) + t.shape[2:])
-        return (out.scatter_add_(1, index, t) if add else out.scatter_(1, index, t))[:, :n_new]
+        nonlocal rows
+        if t.dim() == 2:
+            out = t.new_zeros(B, n_new + 1)  # (B, n_new + 1)
+            return (out.scatter_add_(1, target, t) if add else out.scatter_(1, target, t))[:, :n_new]
+        # token rows: index_add_ / index_copy_ of whole rows (2-3x faster than a scatter along dim 1 on the CPU)
+        if rows is None:
+            rows = (target + torch.arange(0, B * (n_new + 1), n_new + 1, device=target.device).view(B, 1)).view(-1)
+        flat = t.reshape(B * N, -1)  # (B * N, K)
+        out = t.new_zeros(B * (n_new + 1), flat.shape[1])  # (B * (n_new + 1), K)
+        out = out.index_add_(0, rows, flat) if add else out.index_copy_(0, rows, flat)
+        return out.view(B, n_new + 1, *t.shape[2:])[:, :n_new]
 
     if not merged:  # survivors only: exact copies
         x, size = scatter(x, False), scatter(size, False)  # (B, N', C), (B, N')

@@ -302,6 +302,14 @@ def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) ->
     return idx
 
 
+def _add_rows(residual: Tensor, idx: Tensor, out: Tensor) -> Tensor:
+    """``residual`` (T', C) with ``out`` (T, C) added at the rows ``idx`` (T,). Without gradients in place: the
+    residual stream of a padded eval batch is the block's own tensor, never read again (this saves a copy of it
+    per layer)."""
+    out = ops.cast(out, residual.dtype)
+    return residual.index_add(0, idx, out) if torch.is_grad_enabled() else residual.index_add_(0, idx, out)
+
+
 def _tokenwise(fn, x: Tensor, idx: Tensor | None, residual: Tensor | None = None) -> Tensor:
     """``fn`` applied to the tokens of x (B, N, C), plus ``residual`` (B, N, C') if given; only at the packed
     indices ``idx`` if given (padding gets 0, or keeps its residual)."""
@@ -310,7 +318,7 @@ def _tokenwise(fn, x: Tensor, idx: Tensor | None, residual: Tensor | None = None
     B, N, _ = x.shape
     out = fn(x.reshape(B * N, -1).index_select(0, idx))  # (T, C')
     if residual is not None:  # one pass: the residual stream with the real tokens' outputs added in
-        return residual.reshape(B * N, -1).index_add(0, idx, out.to(residual.dtype)).view(B, N, -1)  # (B, N, C')
+        return _add_rows(residual.reshape(B * N, -1), idx, out).view(B, N, -1)  # (B, N, C')
     return out.new_zeros(B * N, out.shape[-1]).index_copy_(0, idx, out).view(B, N, -1)  # (B, N, C')
 
 
@@ -408,7 +416,7 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
         if cfg.needs_metric:
             metric[sel, :n] = k.sum(1).to(metric.dtype)  # (b, n, D)
     out = view.out(view.head_norm(o[:T]))  # (T, C)
-    x = x.reshape(B * N, C).index_add(0, idx, out.to(x.dtype)).view(B, N, C)  # (B, N, C)
+    x = _add_rows(x.reshape(B * N, C), idx, out).view(B, N, C)  # (B, N, C)
     return x, importance, metric
 
 
