@@ -360,7 +360,7 @@ def best_match(metric: Tensor, is_a: Tensor, is_b: Tensor) -> tuple[Tensor, Tens
     """Similarity score of each A token: its highest cosine similarity with any B token (ToMe).
 
     Args:
-        metric: (B, N, D) keys summed over heads.
+        metric: (B, N, D) keys averaged over heads.
         is_a, is_b: (B, N) set masks from :func:`bipartite_sets`.
 
     Returns:
@@ -382,7 +382,7 @@ def best_match_contiguous(metric: Tensor, keep: Tensor, num_prefix: int) -> tupl
     stay in sequence order, so ties resolve exactly as in :func:`best_match`.
 
     Args:
-        metric: (B, N, D) keys summed over heads.
+        metric: (B, N, D) keys averaged over heads.
         keep: (B, N) survivors, all at the front of each row (padding after them).
         num_prefix: Prefix tokens at the front.
 

@@ -414,7 +414,7 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
                 importance = ig.new_zeros(B, N)  # (B, N)
             importance[sel, :n] = ig.to(importance.dtype)
         if cfg.needs_metric:
-            metric[sel, :n] = k.sum(1).to(metric.dtype)  # (b, n, D)
+            metric[sel, :n] = k.mean(1).to(metric.dtype)  # (b, n, D)
     out = view.out(view.head_norm(o[:T]))  # (T, C)
     x = _add_rows(x.reshape(B * N, C), idx, out).view(B, N, C)  # (B, N, C)
     return x, importance, metric
@@ -458,9 +458,7 @@ def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceC
         x = x + view.out(view.head_norm(o) * gate)  # (B, N, C)
     else:
         x = _tokenwise(lambda t: view.out(view.head_norm(t)), o, idx, x)  # (B, N, C)
-    # the merge metric: keys summed over heads (the paper's and ToMe's mean, up to a scale that cosine similarity
-    # ignores; a sum makes 3 operator calls, a mean 9)
-    return x, importance, k.sum(1) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
+    return x, importance, k.mean(1) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
 
 
 def score_ranges(model: nn.Module) -> dict[str, tuple[float, float]]:

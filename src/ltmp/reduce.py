@@ -226,7 +226,7 @@ def reduce_step(
         layer: Block index (for per-layer fixed rates).
         importance: (B, N) importance scores (:func:`ltmp.ops.importance_scores` of this block's attention), if
             the method prunes.
-        metric: (B, N, D) keys summed over heads, if the method merges.
+        metric: (B, N, D) keys averaged over heads, if the method merges.
         merge_threshold, prune_threshold: Learned thresholds (scalars), for the threshold methods.
         rate: The fixed-rate methods' tokens for this block, if already looked up (``cfg.rate[layer]``); the
             patched forward passes it so that compiled blocks guard on the rate, not on the block index.
@@ -570,7 +570,9 @@ def _survivors(scores: Tensor, k: int, offset: int) -> Tensor:
     """Positions (B, n - k) that survive pruning the ``k`` lowest ``scores`` (B, n) of the tokens at ``offset ..``,
     ties to the earlier position, in order (the ``offset`` prefix positions first). The chosen set of
     :func:`_split` (its stable sort), with the survivors ordered by one top-k instead of a scatter and a sort over
-    all positions. Overwrites the prefix scores with +inf (callers pass a tensor of their own)."""
+    all positions. Overwrites the prefix scores with +inf: the fixed-rate step passes the block's importance (or
+    its float32 copy), which nothing reads after pruning. NaN scores sort after the prefix (NaN importance only
+    comes with NaN outputs)."""
     if is_exporting():  # ONNX has no stable sort: _split's top-k form
         return _split(scores[:, offset:], k, largest=False, offset=offset, step=1, n=scores.shape[1])[0]
     scores[:, :offset] = math.inf  # the prefix survives
