@@ -285,7 +285,8 @@ def reduce_step(
 def _merge_decision(cfg: ReduceConfig, layer: int, keep: Tensor, contiguous: bool, importance: Tensor | None,
                     metric: Tensor, merge_threshold: Tensor | None, rate: int, dtype: torch.dtype,
                     hard: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Which tokens merge, and into which: the one merge decision of the masked and the compact step.
+    """Which tokens merge, and into which: the one merge decision of the masked and the compact step (the
+    merge-first compact step takes the same decision in set-A rows, :func:`_reduce_compact_merge_first`).
 
     Set A and B alternate over the survivors (ToMe's even/odd split when they are ``contiguous``, as after
     compaction); an A token merges into its most similar B token where the similarity passes the learned threshold
@@ -329,7 +330,7 @@ def _prune_decision(cfg: ReduceConfig, keep: Tensor, importance: Tensor, prune_t
         The keep mask of the candidates (B, N) in ``dtype`` (straight-through in train mode; None if ``hard``),
         the pruned tokens (B, N) bool and the candidates (B, N) bool.
     """
-    cand = keep > 0.5  # (B, N)
+    cand = keep.clone() if keep.dtype == torch.bool else keep > 0.5  # (B, N)
     cand[:, :cfg.num_prefix] = False
     pm = None
     if cfg.learned:
@@ -430,16 +431,7 @@ def _reduce_compact_merge_first(
     survive = alive & ~merged  # (B, N)
     pruned = None
     if "prune" in cfg.ops:
-        passes = importance > prune_threshold  # (B, N) eq. 1
-        passes[:, :P] = True  # prefix tokens are never pruned
-        drop = survive & ~passes  # (B, N)
-        if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
-            cand = survive.clone()
-            cand[:, :P] = False
-            top = importance.float().masked_fill(~cand, -math.inf).argmax(1, keepdim=True)  # (B, 1)
-            spare = torch.zeros_like(cand).scatter_(1, top, True) & drop.sum(1, keepdim=True).eq(
-                cand.sum(1, keepdim=True))  # (B, N)
-            drop = drop & ~spare
+        _, drop, _ = _prune_decision(cfg, survive, importance, prune_threshold, 0, x.dtype, hard=True)  # (B, N)
         survive = survive & ~drop
         pruned = drop.sum(1)  # (B,)
     c = survive.sum(1)  # (B,)
