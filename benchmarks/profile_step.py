@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs
-from ltmp.runtime import HostSyncs
+from ltmp.runtime import HostSyncs, compile_model
 
 
 def main() -> None:
@@ -41,6 +41,8 @@ def main() -> None:
                                                        "(Execution.importance_from_lse)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--max-buckets", type=int, help="Execution.max_buckets (1: attention never in groups)")
+    p.add_argument("--compile", action="store_true", help="both models under ltmp.runtime.compile_model (the first "
+                                                          "forwards compile; the counts are of compiled forwards)")
     args = p.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -57,6 +59,8 @@ def main() -> None:
     print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}" + ("" if learned else " (LTMP's; matched GMACs)"))
     for name, m in (("dense", dense), (args.method, red)):
         m.eval()
+        if args.compile:
+            m = compile_model(m, device)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
             for b in batches:
                 m(b)
