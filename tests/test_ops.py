@@ -390,3 +390,13 @@ def test_importance_from_log_sum_exp_equals_the_explicit_probabilities(kind, mas
     assert torch.allclose(got, expected, atol=1e-12, rtol=0), (got - expected).abs().max()
     real = keep > 0.5
     assert torch.allclose(fused_out.transpose(1, 2)[real], out.transpose(1, 2)[real], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_mean_is_the_mean_over_heads_bit_for_bit(dtype):
+    # as timm's attention makes the keys: a strided slice of the permuted qkv projection; 6 heads (not a power of 2)
+    g = torch.Generator().manual_seed(0)
+    qkv_proj = torch.randn(3, 11, 3, 6, 8, generator=g, dtype=dtype).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
+    k = qkv_proj.unbind(0)[1]  # (B, H, N, D)
+    assert torch.equal(ops.head_mean(k), k.mean(1))
+    assert torch.equal(ops.head_mean(k.contiguous()), k.contiguous().mean(1))

@@ -196,6 +196,19 @@ def test_every_threshold_gets_a_gradient(config):
             assert g is None or g.abs().max() == 0, name
 
 
+def test_training_after_an_inference_mode_forward():
+    # constants that forwards keep for reuse (ops.scalar, ops.positions, ops.patch_tokens) are made outside
+    # inference mode, so that a later training step may save them for backward
+    ltmp.ops._CONSTANTS.clear()
+    model = patched("cls", "ltmp", THRESHOLDS)
+    with torch.inference_mode():
+        model.eval()(images(4))
+    model.train()
+    loss = torch.nn.functional.cross_entropy(model(images(4)), torch.arange(4)) + ltmp.budget_loss(model, 0.5)
+    loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if n.endswith("threshold"))
+
+
 def test_fixed_rate_methods_have_no_thresholds():
     model = patched("cls", "tome", dict(r=4))
     assert not [n for n, _ in model.named_parameters() if "threshold" in n]

@@ -27,6 +27,75 @@ def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """``torch.promote_types(dtype, torch.float32)`` for a float dtype, decided in Python (no operator call)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types(a, b)``, without an operator call when they are equal."""
+    return a if a == b else torch.promote_types(a, b)
+
+
+def tracing() -> bool:
+    """True while torch.compile or torch.export traces (``torch.compiler.is_compiling``, torch >= 2.3)."""
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None) or getattr(torch._dynamo, "is_compiling",
+                                                                                  None)
+    return fn is not None and bool(fn())
+
+
+_CONSTANTS: dict[tuple, Tensor] = {}
+
+
+def _cached(key: tuple, make) -> Tensor:
+    """A small constant tensor kept for reuse, made outside inference mode (so autograd may save it) and never
+    written to. While torch.compile, torch.export or torch.jit traces, a fresh one (a traced tensor must not be
+    kept)."""
+    if tracing() or torch.jit.is_tracing():
+        return make()
+    t = _CONSTANTS.get(key)
+    if t is None:
+        with torch.inference_mode(False):
+            t = _CONSTANTS[key] = make()
+    return t
+
+
+def reshaped(t: Tensor, *shape: int) -> Tensor:
+    """``t.reshape(*shape)``, as a view in one operator call where ``t`` is contiguous (``reshape`` makes 2)."""
+    return t.view(*shape) if t.is_contiguous() else t.reshape(*shape)
+
+
+def flat_rows(t: Tensor) -> Tensor:
+    """``t`` (..., K) as a matrix of rows (M, K)."""
+    return reshaped(t, -1, t.shape[-1])
+
+
+def positions(n: int, device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
+    """``torch.arange(n)`` on ``device``, made once: every block reuses it (an arange is 4 calls)."""
+    return _cached(("arange", n, device, dtype), lambda: torch.arange(n, device=device, dtype=dtype))
+
+
+def scalar(value: float, like: Tensor) -> Tensor:
+    """A 0-d tensor ``value`` in ``like``'s dtype and device, made once: a comparison with it is one call, with a
+    Python number five (the number's conversion). Not for ``masked_fill`` (it reads a tensor value on the host)."""
+    return _cached(("scalar", value, like.dtype, like.device), lambda: torch.tensor(value, dtype=like.dtype,
+                                                                                   device=like.device))
+
+
+def patch_tokens(n: int, num_prefix: int, device: torch.device) -> Tensor:
+    """(n,) bool, False at the ``num_prefix`` prefix tokens, made once (a masked copy is 8 calls, ``&`` with it 2)."""
+    return _cached(("patches", n, num_prefix, device), lambda: torch.arange(n, device=device) >= num_prefix)
+
+
+def head_mean(k: Tensor) -> Tensor:
+    """ToMe's merge metric: the keys averaged over heads, (B, H, N, D) -> (B, N, D). On the CPU in float32/64 it
+    is what ``mean`` computes there, a sum and then a division by H, in 4 operator calls instead of 9 (``mean``
+    converts H for each call); elsewhere ``mean`` itself."""
+    if k.device.type != "cpu" or k.dtype not in (torch.float32, torch.float64) or tracing():
+        return k.mean(1)
+    return k.sum(1).div_(scalar(k.shape[1], k))  # (B, N, D)
+
+
 def threshold_mask(scores: Tensor, threshold: Tensor, tau: float) -> Tensor:
     """Threshold masking module, eq. 1-2, as a straight-through estimator.
 
@@ -115,10 +184,12 @@ def masked_attention(
             and not _autocast_on(q.device.type) and not dropout:
         # eval: 3-D matmuls with the scale and the bias folded in (fewer operator calls)
         B, H, N, D = q.shape
-        q3, k3, v3 = (t.reshape(B * H, N, D) for t in (q, k, v))  # (B * H, N, D) each
+        q3, k3, v3 = (reshaped(t, B * H, N, D) for t in (q, k, v))  # (B * H, N, D) each
         bias = key_bias(keep, log_size, q.dtype)  # (B, N) or None
         if bias is not None:
-            bias = bias.view(B, 1, N) if H == 1 else bias.view(B, 1, 1, N).expand(B, H, 1, N).reshape(B * H, 1, N)
+            bias = bias.view(B, 1, N)  # (B, 1, N)
+            if H > 1:  # each head's copy: a concatenation is 2 calls, an expanded reshape 9
+                bias = torch.cat([bias] * H, dim=1).view(B * H, 1, N)  # (B * H, 1, N)
         if bias is None:
             attn = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)  # (B * H, N, N)
         else:
@@ -126,7 +197,7 @@ def masked_attention(
         probs = attn.softmax(dim=-1)  # (B * H, N, N)
         return torch.bmm(probs, v3).view(B, H, N, D), probs.view(B, H, N, N)  # (B, H, N, D), (B, H, N, N)
     attn = (q * scale) @ k.transpose(-2, -1)  # (B, H, N, N)
-    attn = attn.to(torch.promote_types(attn.dtype, torch.float32))  # fp16/bf16 -> fp32, float64 stays
+    attn = cast(attn, wide(attn.dtype))  # fp16/bf16 -> fp32, float64 stays
     if hard:  # no gradient to the mask: one additive bias (log size, -inf where masked) and one softmax
         bias = key_bias(keep, log_size, attn.dtype)  # (B, N) or None
         if bias is not None:
@@ -223,11 +294,11 @@ def importance_scores(probs: Tensor, keep: Tensor | None, kind: str) -> Tensor:
         return probs.mean(dim=(1, 2))  # (B, N)
     B, H, N, _ = probs.shape
     rows = cast(_hard(keep), probs.dtype)  # (B, N)
-    rows = rows.view(B, 1, 1, N).expand(B, 1, H, N).reshape(B, 1, H * N)  # (B, 1, H * N) each head's query rows
+    rows = torch.cat([rows] * H, dim=1).view(B, 1, H * N)  # (B, 1, H * N) each head's query rows
     w = rows / rows.sum(dim=2, keepdim=True)  # (B, 1, H * N) weight of each query row, 1 / (H n)
     # one pass over the probabilities: (B, 1, H*N) @ (B, H*N, N), in the probabilities' precision (not autocast's)
     with _autocast_off(probs.device.type):
-        return torch.bmm(w, probs.reshape(B, H * N, N)).view(B, N)  # (B, N)
+        return torch.bmm(w, reshaped(probs, B, H * N, N)).view(B, N)  # (B, N)
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None
@@ -285,7 +356,7 @@ def importance_from_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, bias: T
         (B, N) scores.
     """
     B, H, N, _ = q.shape
-    dt = torch.promote_types(lse.dtype, torch.float32)
+    dt = wide(lse.dtype)
     kt = k.transpose(-2, -1)  # (B, H, D, N)
     b = None if bias is None else cast(bias, dt)  # (B, 1, 1, N)
 
@@ -341,7 +412,7 @@ def cosine_similarity(metric: Tensor, first_a: int | None = None) -> Tensor:
         first_a: None: every row with every row (..., N, N). Else ToMe's split of contiguous tokens: rows
             ``first_a, first_a + 2, ...`` (set A) with the odd rows (set B), (..., Na, Nb).
     """
-    u = cast(metric, torch.promote_types(metric.dtype, torch.float32))
+    u = cast(metric, wide(metric.dtype))
     u = u / u.norm(dim=-1, keepdim=True)  # (..., N, D) rows of norm 1
     a, b = (u, u) if first_a is None else (u[..., first_a::2, :], u[..., 1::2, :])  # (..., Na, D), (..., Nb, D)
     with _autocast_off(u.device.type):  # bmm/mm, not matmul: its folding would guard on whether N is even
@@ -422,7 +493,7 @@ def topk_mask(scores: Tensor, candidates: Tensor, k: Tensor, largest: bool) -> T
         (B, N) bool mask of the selected tokens.
     """
     fill = float("-inf") if largest else float("inf")
-    s = scores.detach().to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~candidates, fill)
+    s = scores.detach().to(wide(scores.dtype)).masked_fill(~candidates, fill)
     order = torch.sort(s, dim=1, descending=largest, stable=True).indices  # (B, N)
     rank = torch.empty_like(order).scatter_(1, order, torch.arange(s.shape[1], device=s.device).expand_as(order))
     return (rank < k[:, None]) & candidates  # (B, N)
@@ -452,7 +523,7 @@ def merge_tokens(
     Returns:
         The new x (B, N, C), size (B, N) and extra (B, N, K).
     """
-    dt = torch.promote_types(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
+    dt = promote(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
     xs = x.to(dt)
     w = merge.to(dt) * size  # (B, N)
     den = size.to(dt).scatter_add(1, dst, w)  # (B, N)
@@ -509,14 +580,14 @@ def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = Non
     return gather_slots(target, max(counts), x, size, source, merge is not None) + (counts,)
 
 
-def slots(alive: Tensor, counts: list[int] | None = None) -> tuple[Tensor, list[int]]:
+def slots(alive: Tensor, counts: list[int] | None = None, rank: Tensor | None = None) -> tuple[Tensor, list[int]]:
     """Where :func:`contract` puts each token: its rank among the survivors ``alive`` (B, N) of its image, or the
     dump slot ``max(counts)`` if it is removed; and ``counts``, each image's survivors (read back from the device
-    when not given)."""
+    when not given). ``rank``: ``alive.cumsum(1)``, if the caller has it."""
+    rank = alive.cumsum(1) if rank is None else rank  # (B, N) survivors up to each position
     if counts is None:
-        counts = alive.sum(1).tolist()  # the one host synchronisation
-    slot = alive.cumsum(1) - 1  # (B, N) rank among the survivors
-    return slot.masked_fill_(~alive, max(counts)), counts  # (B, N)
+        counts = rank[:, -1].tolist()  # the one host synchronisation
+    return (rank - 1).masked_fill_(~alive, max(counts)), counts  # (B, N)
 
 
 def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Tensor | None, merged: bool
@@ -531,13 +602,13 @@ def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Te
     def scatter(t: Tensor, add: bool) -> Tensor:  # t (B, N, ...) into (B, n_new, ...)
         nonlocal rows
         if t.dim() == 2:
-            out = t.new_zeros(B, n_new + 1)  # (B, n_new + 1)
+            out = torch.zeros(B, n_new + 1, dtype=t.dtype, device=t.device)  # (B, n_new + 1)
             return (out.scatter_add_(1, target, t) if add else out.scatter_(1, target, t))[:, :n_new]
         # token rows: index_add_ / index_copy_ of whole rows (2-3x faster than a scatter along dim 1 on the CPU)
         if rows is None:
-            rows = (target + torch.arange(0, B * (n_new + 1), n_new + 1, device=target.device).view(B, 1)).view(-1)
-        flat = t.reshape(B * N, -1)  # (B * N, K)
-        out = t.new_zeros(B * (n_new + 1), flat.shape[1])  # (B * (n_new + 1), K)
+            rows = (target + (positions(B, target.device) * (n_new + 1)).view(B, 1)).view(-1)
+        flat = flat_rows(t)  # (B * N, K)
+        out = torch.zeros(B * (n_new + 1), flat.shape[1], dtype=t.dtype, device=t.device)  # (B * (n_new + 1), K)
         out = out.index_add_(0, rows, flat) if add else out.index_copy_(0, rows, flat)
         return out.view(B, n_new + 1, *t.shape[2:])[:, :n_new]
 
@@ -545,10 +616,10 @@ def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Te
         x, size = scatter(x, False), scatter(size, False)  # (B, N', C), (B, N')
     else:  # every survivor becomes the size-weighted average of its group (one pass: those that received
         # nothing are x * s / s, equal to x up to rounding, as a batched matmul differs from a single one)
-        dt = torch.promote_types(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
+        dt = promote(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
         s = cast(size, dt)  # (B, N)
         den = scatter(s, True)  # (B, N') sizes add up; 0 for padding
-        x = cast(scatter(cast(x, dt) * s.view(B, N, 1), True) / den.clamp(min=1).view(B, n_new, 1), x.dtype)
+        x = cast(scatter(cast(x, dt) * s.view(B, N, 1), True) / den.clamp_min(1.0).view(B, n_new, 1), x.dtype)
         size = cast(den, size.dtype)  # (B, N')
     if source is not None:
         source = scatter(source, True)  # (B, N', N0) patch maps add up

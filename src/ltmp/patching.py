@@ -41,32 +41,42 @@ THRESHOLD_NAMES = ("merge_threshold", "prune_threshold")
 class Record:
     """The record of the last forward of a patched model, overwritten by every forward (read with ltmp.stats).
 
-    All per-layer tensors are (B, L): one row per image, one column per block. When every image's counts are known
-    on the host (the fixed-rate and single-image steps), the tensors are built on first read, so that a forward
-    nobody inspects launches no operators for its record.
+    All per-layer tensors are (B, L): one row per image, one column per block. They are built on first read, from
+    the blocks' counts (host integers for the fixed-rate and single-image steps, (B,) tensors otherwise), so that a
+    forward nobody inspects launches no operators for its record.
     """
 
-    def __init__(self, method: str, counts: tuple[Tensor, Tensor, Tensor, Tensor] | None, padded: list[int],
-                 num_patches: int, num_prefix: int, sources: list[Tensor] | None = None,
-                 keeps: list[Tensor] | None = None,
-                 host: tuple[list[tuple[int, int, int]], int, torch.device, torch.dtype] | None = None):
+    def __init__(self, method: str, padded: list[int], num_patches: int, num_prefix: int,
+                 sources: list[Tensor] | None = None, keeps: list[Tensor] | None = None,
+                 host: tuple[list[tuple[int, int, int]], int, torch.device, torch.dtype] | None = None,
+                 steps: tuple[list[StepResult], torch.dtype] | None = None):
         self.method = method  # the patched method
         self.padded = padded  # (L + 1) tokens in the tensor entering each block and leaving the last (executed compute)
         self.num_patches = num_patches  # n of eq. 13
         self.num_prefix = num_prefix  # prefix tokens, always kept
         self.sources = sources  # per block (B, N_l, n) patch membership of each token, if traced
         self.keeps = keeps  # per block (B, N_l) survivors, if traced
-        self._counts = counts  # (merged, pruned, kept, keep_frac), or None until built from ``host``
-        self._host = host  # per block (merged, pruned, kept) of every image, the batch size, device, keep_frac dtype
+        self._counts = None  # (merged, pruned, kept, keep_frac) once built
+        self._host = host  # per block (merged, pruned, kept), ints, per-image lists or (B,) tensors; the batch
+        #                    size, device and keep_frac dtype
+        self._steps = steps  # or: per block the (B,) counts, and the dtype of the keep mask
 
     def _built(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if self._counts is None:
-            rows, batch, device, dtype = self._host
-            counts = torch.tensor(rows, device=device).T[:, None]  # (3, 1, L)
-            merged, pruned, kept = counts.repeat(1, batch, 1).unbind(0)  # (B, L) each
             n = self.num_patches
-            keep_frac = torch.cat([kept.new_full((batch, 1), n), kept], 1).to(dtype) / n  # (B, L + 1)
-            self._counts, self._host = (merged, pruned, kept, keep_frac), None
+            if self._host is not None:
+                rows, batch, device, dtype = self._host
+                per_image = [[c.tolist() if isinstance(c, Tensor) else c if isinstance(c, list) else [c] * batch
+                              for c in row] for row in rows]  # (L, 3, B)
+                merged, pruned, kept = torch.tensor(per_image, device=device).permute(1, 2, 0).unbind(0)  # (B, L) each
+                keep_frac = torch.cat([kept.new_full((batch, 1), n), kept], 1).to(dtype) / n  # (B, L + 1)
+            else:
+                steps, dtype = self._steps
+                merged, pruned, kept = (torch.stack([getattr(s, f) for s in steps], 1)
+                                        for f in ("merged", "pruned", "kept"))  # (B, L) each
+                frac = torch.stack([s.kept_frac for s in steps], 1) / n  # (B, L)
+                keep_frac = torch.cat([torch.ones_like(frac[:, :1], dtype=dtype), frac], 1)  # (B, L + 1)
+            self._counts, self._host, self._steps = (merged, pruned, kept, keep_frac), None, None
         return self._counts
 
     @property
@@ -256,14 +266,14 @@ def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:
         return x, state
     rec = dict(method=cfg.method, padded=padded, num_patches=n, num_prefix=cfg.num_prefix, sources=sources,
                keeps=keeps)
-    if isinstance(steps[0].kept, int):  # counts known on the host (the single-image and fixed-rate steps)
+    if not all(isinstance(s.kept, Tensor) for s in steps):  # counts known on the host (eval without gradients;
+        #                                                      a block of one token left may give (B,) tensors)
         rows = [(s.merged, s.pruned, s.kept) for s in steps]
-        model.ltmp_record = Record(counts=None, host=(rows, x.shape[0], x.device, state.size.dtype), **rec)
-    else:  # the masked step: per-image counts as tensors (the step kind is the same in every block)
-        merged, pruned, kept = (torch.stack([getattr(s, f) for s in steps], 1) for f in ("merged", "pruned", "kept"))
-        ones = x.new_ones(x.shape[0], dtype=state.keep.dtype)
-        keep_frac = torch.stack([ones] + [s.kept_frac / n for s in steps], 1)
-        model.ltmp_record = Record(counts=(merged, pruned, kept, keep_frac), **rec)
+        model.ltmp_record = Record(host=(rows, x.shape[0], x.device, state.size.dtype), **rec)
+    else:  # per-image counts as (B,) tensors (the step kind is the same in every block)
+        model.ltmp_record = Record(steps=(steps, state.keep.dtype), **rec)
+        if is_compiling():  # built inside the graph: its outputs are the four tensors, not every block's counts
+            model.ltmp_record._built()
     return x, state
 
 
@@ -293,8 +303,13 @@ def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) ->
         return None
     if state.packed is not None and state.packed[0] is state.keep:
         return state.packed[1]
-    alive = state.keep.flatten()  # (B * N,) 1 real, 0 padding
-    if hasattr(torch, "nonzero_static"):  # the count is known on the host: no synchronisation
+    alive = ops.reshaped(state.keep, -1)  # (B * N,) 1 real, 0 padding
+    if alive.numel() <= 2 ** 24 and alive.dtype in (torch.float32, torch.float64):
+        # the count is known on the host: the T smallest of ``position - 2^24 * keep`` (distinct and exact integers
+        # in float32), in order; one top-k and no synchronisation, where nonzero_static makes 11 nested calls
+        key = torch.add(ops.positions(alive.numel(), alive.device, alive.dtype), alive, alpha=-2.0 ** 24)
+        idx = key.topk(state.real, largest=False).indices  # (T,)
+    elif hasattr(torch, "nonzero_static"):
         idx = torch.nonzero_static(alive, size=state.real).squeeze(1)  # (T,)
     else:
         idx = alive.nonzero().squeeze(1)  # (T,)
@@ -316,10 +331,12 @@ def _tokenwise(fn, x: Tensor, idx: Tensor | None, residual: Tensor | None = None
     if idx is None:
         return fn(x) if residual is None else residual + fn(x)
     B, N, _ = x.shape
-    out = fn(x.reshape(B * N, -1).index_select(0, idx))  # (T, C')
+    flat = ops.flat_rows(x)  # (B * N, C)
+    out = fn(flat.index_select(0, idx))  # (T, C')
     if residual is not None:  # one pass: the residual stream with the real tokens' outputs added in
-        return _add_rows(residual.reshape(B * N, -1), idx, out).view(B, N, -1)  # (B, N, C')
-    return out.new_zeros(B * N, out.shape[-1]).index_copy_(0, idx, out).view(B, N, -1)  # (B, N, C')
+        return _add_rows(flat if residual is x else ops.flat_rows(residual), idx, out).view(B, N, -1)  # (B, N, C')
+    padded = torch.zeros(B * N, out.shape[-1], dtype=out.dtype, device=out.device)  # (B * N, C')
+    return padded.index_copy_(0, idx, out).view(B, N, -1)  # (B, N, C')
 
 
 
@@ -387,7 +404,7 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
     dev = x.device
     idx = _packed_index(state, cfg, always=True)  # (T,)
     T = idx.shape[0]
-    qkv = view.qkv(view.norm1(x.reshape(B * N, C).index_select(0, idx)))  # (T, 3 * H * D)
+    qkv = view.qkv(view.norm1(ops.flat_rows(x).index_select(0, idx)))  # (T, 3 * H * D)
     ls = log_size(state)
     starts = [0]
     for c in state.counts[:-1]:
@@ -414,9 +431,9 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
                 importance = ig.new_zeros(B, N)  # (B, N)
             importance[sel, :n] = ig.to(importance.dtype)
         if cfg.needs_metric:
-            metric[sel, :n] = k.mean(1).to(metric.dtype)  # (b, n, D)
+            metric[sel, :n] = ops.head_mean(k).to(metric.dtype)  # (b, n, D)
     out = view.out(view.head_norm(o[:T]))  # (T, C)
-    x = _add_rows(x.reshape(B * N, C), idx, out).view(B, N, C)  # (B, N, C)
+    x = _add_rows(ops.flat_rows(x), idx, out).view(B, N, C)  # (B, N, C)
     return x, importance, metric
 
 
@@ -458,7 +475,7 @@ def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceC
         x = x + view.out(view.head_norm(o) * gate)  # (B, N, C)
     else:
         x = _tokenwise(lambda t: view.out(view.head_norm(t)), o, idx, x)  # (B, N, C)
-    return x, importance, k.mean(1) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
+    return x, importance, ops.head_mean(k) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
 
 
 def score_ranges(model: nn.Module) -> dict[str, tuple[float, float]]:

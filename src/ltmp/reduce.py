@@ -133,10 +133,11 @@ class TokenState:
 class StepResult:
     """Per-image counts of one block's reduction."""
 
-    merged: Tensor | int  # (B,) tokens merged away in this block (an int for a single image in eval mode)
-    pruned: Tensor | int  # (B,) tokens pruned in this block
-    kept: Tensor | int  # (B,) patch tokens surviving this block (hard count)
-    kept_frac: Tensor | int  # (B,) surviving patch tokens, differentiable in train mode (m-bar of eq. 13, times n)
+    # each (B,): a tensor, or on the host (eval without gradients) an int for every image or a list of B ints
+    merged: Tensor | int | list[int]  # tokens merged away in this block
+    pruned: Tensor | int | list[int]  # tokens pruned in this block
+    kept: Tensor | int | list[int]  # patch tokens surviving this block (hard count)
+    kept_frac: Tensor | int | list[int]  # surviving patch tokens, differentiable in train mode (m-bar of eq. 13, x n)
 
 
 _EXPORTING = False  # set by :func:`exporting` (ltmp.export) while torch.export traces a patched model
@@ -170,8 +171,7 @@ def is_exporting() -> bool:
 def is_compiling() -> bool:
     """True while torch.compile traces the model (``torch.compiler.is_compiling``, torch >= 2.3), but not while
     torch.export does (which that function also reports: exports take the branch-free batch-1 path instead)."""
-    fn = getattr(torch.compiler, "is_compiling", None) or getattr(torch._dynamo, "is_compiling", None)
-    return fn is not None and bool(fn()) and not is_exporting()
+    return ops.tracing() and not is_exporting()
 
 
 def step_kind(cfg: ReduceConfig, batch: int, training: bool) -> str:
@@ -330,8 +330,8 @@ def _prune_decision(cfg: ReduceConfig, keep: Tensor, importance: Tensor, prune_t
         The keep mask of the candidates (B, N) in ``dtype`` (straight-through in train mode; None if ``hard``),
         the pruned tokens (B, N) bool and the candidates (B, N) bool.
     """
-    cand = keep.clone() if keep.dtype == torch.bool else keep > 0.5  # (B, N)
-    cand[:, :cfg.num_prefix] = False
+    cand = (keep if keep.dtype == torch.bool else keep > 0.5) & ops.patch_tokens(keep.shape[1], cfg.num_prefix,
+                                                                                keep.device)  # (B, N)
     pm = None
     if cfg.learned:
         if cfg.fit is not None:
@@ -415,37 +415,39 @@ def _reduce_compact_merge_first(
     B, N, _ = x.shape
     P = cfg.num_prefix
     keep = state.keep  # (B, N) 1 survivor, 0 padding
-    alive = keep.bool()  # (B, N)
-    mergeable = alive.clone()  # (B, N) tokens that may merge or receive: survivors past the prefix
-    mergeable[:, :P] = False
+    alive = keep > ops.scalar(0, keep)  # (B, N)
+    mergeable = alive & ops.patch_tokens(N, P, x.device)  # (B, N) tokens that may merge or receive: survivors
+    #                                                       past the prefix
     sim = ops.cosine_similarity(metric, first_a=0)  # (B, Na, Nb); NaN at padding (zero keys)
-    sim.masked_fill_(~mergeable[:, 1::2].unsqueeze(1), -math.inf)  # B columns that cannot receive
+    sim.masked_fill_(~mergeable[:, 1::2].view(B, 1, -1), -math.inf)  # B columns that cannot receive
     best, j = ops.row_max(sim)  # (B, Na), (B, Na) each A row's best B column (the first on ties)
     merge_a = (best > merge_threshold) & mergeable[:, ::2]  # (B, Na) eq. 1
     dst_a = 2 * j + 1  # (B, Na) the B position each A row would join
-    if importance is not None:  # a target's importance is its group's max (ops.group_max)
-        importance = importance.scatter_reduce(1, dst_a, importance[:, ::2].masked_fill(~merge_a, -math.inf),
-                                               reduce="amax")  # (B, N)
-    merged = torch.zeros_like(alive)  # (B, N)
-    merged[:, ::2] = merge_a
-    survive = alive & ~merged  # (B, N)
-    pruned = None
+    if importance is not None:  # a target's importance is its group's max (ops.group_max); in place: the
+        #                           block's own scores, not read after this step
+        importance.scatter_reduce_(1, dst_a, torch.where(merge_a, importance[:, ::2], ops.scalar(-math.inf,
+                                                                                                 importance)),
+                                   reduce="amax")  # (B, N)
+    survive = alive  # (B, N), in place: alive is not read again
+    survive[:, ::2].bitwise_xor_(merge_a)  # merged A tokens (all alive) leave
+    masks = [survive]
     if "prune" in cfg.ops:
         _, drop, _ = _prune_decision(cfg, survive, importance, prune_threshold, 0, x.dtype, hard=True)  # (B, N)
-        survive = survive & ~drop
-        pruned = drop.sum(1)  # (B,)
-    c = survive.sum(1)  # (B,)
-    counts = c.tolist()  # the one host synchronisation
-    target, _ = ops.slots(survive, counts)  # (B, N)
+        survive = survive ^ drop  # drop is a subset of survive
+        masks.append(survive)
+    rank = torch.stack(masks).cumsum(2)  # (M, B, N) survivors up to each position, after merging (and pruning)
+    after = rank[:, :, -1].tolist()  # (M, B) each image's survivors: the one host synchronisation
+    counts = after[-1]
+    before = state.counts if state.counts is not None else [N] * B  # real tokens entering the block
+    target, _ = ops.slots(survive, counts, rank[-1])  # (B, N)
     target_a = target[:, ::2]  # (B, Na) view: merged A rows join their target's slot (a pruned target's: the dump)
     target_a.copy_(torch.where(merge_a, target.gather(1, dst_a), target_a))
     x, size, source, keep = ops.gather_slots(target, max(counts), x, state.size, state.source, True)
-    merged = merge_a.sum(1)  # (B,)
-    kept = c - P  # (B,)
+    kept = [c - P for c in counts]
     state = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts, merged_once=True,
                                 masked_once=sum(counts) < keep.numel())
-    return x, state, StepResult(merged=merged, pruned=merged.new_zeros(B) if pruned is None else pruned, kept=kept,
-                                kept_frac=kept)
+    return x, state, StepResult(merged=[b - a for b, a in zip(before, after[0])],
+                                pruned=[a - c for a, c in zip(after[0], counts)], kept=kept, kept_frac=kept)
 
 
 def _reduce_single(
@@ -511,7 +513,7 @@ def _reduce_single(
             if cfg.learned:
                 kept = importance > prune_threshold  # (N,) kept by eq. 1
             else:
-                cand = importance.detach().to(torch.promote_types(importance.dtype, torch.float32)).clone()
+                cand = importance.detach().to(ops.wide(importance.dtype)).clone()
                 cand[:P] = float("inf")
                 if alive is not None:
                     cand[~alive] = float("inf")
@@ -553,8 +555,7 @@ def _split(scores: Tensor, k: int, largest: bool, offset: int, step: int, n: int
         rows = scores.sort(dim=1, descending=largest, stable=True).indices[:, :k]  # (B, k)
     rows = rows.topk(k, dim=1, largest=False).values  # (B, k) ascending
     pos = offset + step * rows  # (B, k)
-    key = torch.zeros(B, n, dtype=torch.long, device=scores.device).scatter_(1, pos, value=n)  # (B, n)
-    key += torch.arange(n, device=scores.device)  # (B, n) (chosen, position): no ties
+    key = ops.positions(n, scores.device).expand(B, n).scatter(1, pos, value=n)  # (B, n) position, n if chosen
     return key.topk(n - k, dim=1, largest=False).indices, rows, pos  # (B, n - k) kept positions in order
 
 
@@ -626,7 +627,7 @@ def _reduce_fixed(
             k = min(rate, N - P - (1 if cfg.keep_one else 0))
             if k <= 0:
                 continue
-            imp = ops.cast(importance.detach(), torch.promote_types(importance.dtype, torch.float32))  # (B, N)
+            imp = ops.cast(importance.detach(), ops.wide(importance.dtype))  # (B, N)
             keep = _survivors(imp, k, P)  # (B, N - k) kept positions, in order
             if state.merged_once:
                 x, size, source = _gather(keep, x, size, source)
@@ -646,14 +647,14 @@ def _merge_rows(x: Tensor, size: Tensor, source: Tensor | None, importance: Tens
     none is removed. The fixed-rate step and the single-image step (B = 1) both merge here.
     """
     B, N, C = x.shape
-    dt = torch.promote_types(x.dtype, size.dtype)
+    dt = ops.promote(x.dtype, size.dtype)
     s = ops.cast(size, dt)  # (B, N)
     xw = ops.cast(x, dt) * s.view(B, N, 1)  # (B, N, C) size-weighted tokens
     dst_c = _rows(dst, C)  # (B, k, C)
     num = xw.scatter_add(1, dst_c, xw.gather(1, _rows(src, C)))  # (B, N, C)
     den = s.scatter_add(1, dst, s.gather(1, src))  # (B, N)
-    merged = num.gather(1, dst_c) / den.gather(1, dst).view(*dst.shape, 1)  # (B, k, C) the targets' new values
-    x = x.scatter(1, dst_c, ops.cast(merged, x.dtype))  # (B, N, C); the other tokens stay bit-identical
+    # the targets' new values; the other tokens (den == s: nothing added) stay bit-identical
+    x = torch.where((den > s).view(B, N, 1), ops.cast(num / den.view(B, N, 1), x.dtype), x)  # (B, N, C)
     if source is not None:
         K = source.shape[2]
         source = source.scatter_add(1, _rows(dst, K), source.gather(1, _rows(src, K)))  # (B, N, N0)
