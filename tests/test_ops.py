@@ -400,3 +400,13 @@ def test_head_mean_is_the_mean_over_heads_bit_for_bit(dtype):
     k = qkv_proj.unbind(0)[1]  # (B, H, N, D)
     assert torch.equal(ops.head_mean(k), k.mean(1))
     assert torch.equal(ops.head_mean(k.contiguous()), k.contiguous().mean(1))
+
+
+def test_kept_constants_are_real_tensors_made_outside_tensor_modes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ops._CONSTANTS.clear()
+    with FakeTensorMode():  # e.g. shape propagation: a fake tensor must not be kept for later real forwards
+        ops.positions(5, torch.device("cpu"))
+    got = ops.positions(5, torch.device("cpu"))
+    assert type(got) is torch.Tensor and torch.equal(got, torch.arange(5))

@@ -209,6 +209,14 @@ def test_training_after_an_inference_mode_forward():
     assert all(p.grad is not None for n, p in model.named_parameters() if n.endswith("threshold"))
 
 
+def test_budget_loss_keeps_its_gradient_when_the_record_is_first_read_without_gradients():
+    model = patched("cls", "ltmp", THRESHOLDS).train()
+    model(images(4))
+    with torch.no_grad():  # e.g. logging r_FLOPs before the loss
+        ltmp.r_flops(model)
+    assert ltmp.budget_loss(model, 0.5).requires_grad
+
+
 def test_fixed_rate_methods_have_no_thresholds():
     model = patched("cls", "tome", dict(r=4))
     assert not [n for n, _ in model.named_parameters() if "threshold" in n]

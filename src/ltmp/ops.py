@@ -47,16 +47,24 @@ def tracing() -> bool:
 _CONSTANTS: dict[tuple, Tensor] = {}
 
 
+def _dispatch_mode():
+    """The innermost active tensor mode (FakeTensorMode, FlopCounterMode, ...), or None."""
+    from torch.utils import _python_dispatch
+
+    return getattr(_python_dispatch, "_get_current_dispatch_mode", lambda: None)()
+
+
 def _cached(key: tuple, make) -> Tensor:
     """A small constant tensor kept for reuse, made outside inference mode (so autograd may save it) and never
-    written to. While torch.compile, torch.export or torch.jit traces, a fresh one (a traced tensor must not be
-    kept)."""
-    if tracing() or torch.jit.is_tracing():
-        return make()
-    t = _CONSTANTS.get(key)
+    written to. A fresh one, not kept, while torch.compile, torch.export or torch.jit traces, under a fake or other
+    tensor mode, and while a CUDA graph is captured (none of those tensors may outlive it)."""
+    fresh = tracing() or torch.jit.is_tracing() or _dispatch_mode() is not None
+    t = None if fresh else _CONSTANTS.get(key)
     if t is None:
         with torch.inference_mode(False):
-            t = _CONSTANTS[key] = make()
+            t = make()
+        if not fresh and type(t) is torch.Tensor and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _CONSTANTS[key] = t
     return t
 
 

@@ -74,7 +74,7 @@ class Record:
                 steps, dtype = self._steps
                 merged, pruned, kept = (torch.stack([getattr(s, f) for s in steps], 1)
                                         for f in ("merged", "pruned", "kept"))  # (B, L) each
-                frac = torch.stack([s.kept_frac for s in steps], 1) / n  # (B, L)
+                frac = torch.stack([s.kept_frac for s in steps], 1).to(dtype) / n  # (B, L), as the host form
                 keep_frac = torch.cat([torch.ones_like(frac[:, :1], dtype=dtype), frac], 1)  # (B, L + 1)
             self._counts, self._host, self._steps = (merged, pruned, kept, keep_frac), None, None
         return self._counts
@@ -272,7 +272,8 @@ def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:
         model.ltmp_record = Record(host=(rows, x.shape[0], x.device, state.size.dtype), **rec)
     else:  # per-image counts as (B,) tensors (the step kind is the same in every block)
         model.ltmp_record = Record(steps=(steps, state.keep.dtype), **rec)
-        if is_compiling():  # built inside the graph: its outputs are the four tensors, not every block's counts
+        if is_compiling() or steps[0].kept_frac.requires_grad:  # built now: inside the graph (its outputs are the
+            # four tensors, not every block's counts), and with its gradients, whatever mode a first read is in
             model.ltmp_record._built()
     return x, state
 
