@@ -306,7 +306,7 @@ def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) ->
         return state.packed[1]
     alive = ops.reshaped(state.keep, -1)  # (B * N,) 1 real, 0 padding
     if hasattr(torch, "nonzero_static"):  # the count is known on the host: no synchronisation
-        # (a top-k over ``position - 2^24 * keep`` makes fewer calls but takes 2.5-3.7x the time on the CPU:
+        # (a top-k over ``position - 2^24 * keep`` makes fewer calls but takes 2-4x the time on the CPU:
         # benchmarks/packed_index.py)
         idx = torch.nonzero_static(alive, size=state.real).squeeze(1)  # (T,)
     else:
