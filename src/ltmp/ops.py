@@ -18,6 +18,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils import _python_dispatch
 
 from .errors import LtmpError
 
@@ -49,8 +50,6 @@ _CONSTANTS: dict[tuple, Tensor] = {}
 
 def _dispatch_mode():
     """The innermost active tensor mode (FakeTensorMode, FlopCounterMode, ...), or None."""
-    from torch.utils import _python_dispatch
-
     return getattr(_python_dispatch, "_get_current_dispatch_mode", lambda: None)()
 
 
@@ -92,7 +91,7 @@ def scalar(value: float, like: Tensor) -> Tensor:
 
 def patch_tokens(n: int, num_prefix: int, device: torch.device) -> Tensor:
     """(n,) bool, False at the ``num_prefix`` prefix tokens, made once (a masked copy is 8 calls, ``&`` with it 2)."""
-    return _cached(("patches", n, num_prefix, device), lambda: torch.arange(n, device=device) >= num_prefix)
+    return _cached(("patches", n, num_prefix, device), lambda: positions(n, device) >= num_prefix)
 
 
 def head_mean(k: Tensor) -> Tensor:
@@ -503,7 +502,7 @@ def topk_mask(scores: Tensor, candidates: Tensor, k: Tensor, largest: bool) -> T
     fill = float("-inf") if largest else float("inf")
     s = scores.detach().to(wide(scores.dtype)).masked_fill(~candidates, fill)
     order = torch.sort(s, dim=1, descending=largest, stable=True).indices  # (B, N)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(s.shape[1], device=s.device).expand_as(order))
+    rank = torch.empty_like(order).scatter_(1, order, positions(s.shape[1], s.device).expand_as(order))
     return (rank < k[:, None]) & candidates  # (B, N)
 
 
@@ -563,7 +562,7 @@ def group_max(scores: Tensor, merge: Tensor, dst: Tensor) -> Tensor:
 
 
 def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = None, merge: Tensor | None = None,
-             dst: Tensor | None = None, counts: list[int] | None = None
+             dst: Tensor | None = None, counts: list[int] | None = None, rank: Tensor | None = None
              ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, list[int]]:
     """Eval mode: compaction, with the merges of eq. 7 (size-weighted averages, sizes add up) in the same scatter.
 
@@ -577,12 +576,13 @@ def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = Non
         x: (B, N, C) tokens; size: (B, N) patches per token; source: (B, N, N0) patch map, or None.
         merge: (B, N) bool, tokens merged away into ``dst`` (B, N) positions, or None.
         counts: each image's survivors, if known on the host: then nothing is read back.
+        rank: ``alive.cumsum(1)``, if the caller has it (:func:`slots`).
 
     Returns:
         x (B, N', C), size (B, N'), source (B, N', N0) or None, the new keep mask (B, N') and ``counts`` (read
         back from the device when not given: the one host synchronisation of a learned-threshold block).
     """
-    target, counts = slots(alive, counts)  # (B, N)
+    target, counts = slots(alive, counts, rank)  # (B, N)
     if merge is not None:  # a token merged into a survivor joins its slot (into a removed token: the dump)
         target = torch.where(merge, target.gather(1, dst), target)  # (B, N)
     return gather_slots(target, max(counts), x, size, source, merge is not None) + (counts,)

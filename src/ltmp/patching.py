@@ -42,8 +42,8 @@ class Record:
     """The record of the last forward of a patched model, overwritten by every forward (read with ltmp.stats).
 
     All per-layer tensors are (B, L): one row per image, one column per block. They are built on first read, from
-    the blocks' counts (host integers for the fixed-rate and single-image steps, (B,) tensors otherwise), so that a
-    forward nobody inspects launches no operators for its record.
+    the blocks' counts (on the host in eval without gradients, (B,) tensors otherwise), so that a forward nobody
+    inspects launches no operators for its record.
     """
 
     def __init__(self, method: str, padded: list[int], num_patches: int, num_prefix: int,
@@ -57,8 +57,8 @@ class Record:
         self.sources = sources  # per block (B, N_l, n) patch membership of each token, if traced
         self.keeps = keeps  # per block (B, N_l) survivors, if traced
         self._counts = None  # (merged, pruned, kept, keep_frac) once built
-        self._host = host  # per block (merged, pruned, kept), ints, per-image lists or (B,) tensors; the batch
-        #                    size, device and keep_frac dtype
+        self._host = host  # per block (merged, pruned, kept), ints or per-image lists; the batch size, device and
+        #                    keep_frac dtype
         self._steps = steps  # or: per block the (B,) counts, and the dtype of the keep mask
 
     def _built(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -66,8 +66,7 @@ class Record:
             n = self.num_patches
             if self._host is not None:
                 rows, batch, device, dtype = self._host
-                per_image = [[c.tolist() if isinstance(c, Tensor) else c if isinstance(c, list) else [c] * batch
-                              for c in row] for row in rows]  # (L, 3, B)
+                per_image = [[c if isinstance(c, list) else [c] * batch for c in row] for row in rows]  # (L, 3, B)
                 merged, pruned, kept = torch.tensor(per_image, device=device).permute(1, 2, 0).unbind(0)  # (B, L) each
                 keep_frac = torch.cat([kept.new_full((batch, 1), n), kept], 1).to(dtype) / n  # (B, L + 1)
             else:
@@ -266,8 +265,7 @@ def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:
         return x, state
     rec = dict(method=cfg.method, padded=padded, num_patches=n, num_prefix=cfg.num_prefix, sources=sources,
                keeps=keeps)
-    if not all(isinstance(s.kept, Tensor) for s in steps):  # counts known on the host (eval without gradients;
-        #                                                      a block of one token left may give (B,) tensors)
+    if not isinstance(steps[0].kept, Tensor):  # counts known on the host (every eval step without gradients)
         rows = [(s.merged, s.pruned, s.kept) for s in steps]
         model.ltmp_record = Record(host=(rows, x.shape[0], x.device, state.size.dtype), **rec)
     else:  # per-image counts as (B,) tensors (the step kind is the same in every block)

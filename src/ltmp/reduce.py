@@ -371,10 +371,9 @@ def _reduce_compact(
     """
     if cfg.ops[0] == "merge" and x.shape[1] > 1:
         return _reduce_compact_merge_first(x, state, cfg, importance, metric, merge_threshold, prune_threshold)
-    P = cfg.num_prefix
     alive = state.keep > 0.5  # (B, N) survivors, at the front of each row
     merge = dst = None
-    merged = pruned = x.new_zeros(x.shape[0], dtype=torch.long)
+    masks = []  # the survivors after each operation
     for op in cfg.ops:
         if op == "merge":  # ltpm merges after pruning: the split alternates over the survivors of pruning
             merge, dst, _ = _merge_decision(cfg, layer, alive, cfg.ops[0] == "merge", importance, metric,
@@ -382,17 +381,36 @@ def _reduce_compact(
             if importance is not None:
                 importance = ops.group_max(importance, merge, dst)  # (B, N)
             alive = alive & ~merge
-            merged = merge.sum(1)
         else:
             _, drop, _ = _prune_decision(cfg, alive, importance, prune_threshold, 0, x.dtype, hard=True)  # (B, N)
             alive = alive & ~drop
-            pruned = drop.sum(1)
-    x, size, source, keep, counts = ops.contract(alive, x, state.size, state.source, merge, dst)
-    kept = (keep[:, P:] > 0.5).sum(1)  # (B,)
-    state = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts,
-                                merged_once=state.merged_once or merge is not None,
-                                masked_once=sum(counts) < keep.numel())
-    return x, state, StepResult(merged=merged, pruned=pruned, kept=kept, kept_frac=kept)
+        masks.append(alive)
+    rank, after = _survivor_counts(masks)
+    x, size, source, keep, counts = ops.contract(alive, x, state.size, state.source, merge, dst, after[-1], rank)
+    state_out = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts,
+                                    merged_once=state.merged_once or merge is not None,
+                                    masked_once=sum(counts) < keep.numel())
+    return x, state_out, _host_result(cfg, state, after)
+
+
+def _survivor_counts(masks: list[Tensor]) -> tuple[Tensor, list[list[int]]]:
+    """The compact steps' one host synchronisation: from the survivor masks (B, N) after each operation of a step,
+    the last one's rank of each token among the survivors (B, N) (``alive.cumsum(1)``, for :func:`ltmp.ops.slots`)
+    and each image's survivor count after each operation, read back together."""
+    rank = torch.stack(masks).cumsum(2)  # (M, B, N) survivors up to each position
+    return rank[-1], rank[:, :, -1].tolist()  # (B, N), (M, B)
+
+
+def _host_result(cfg: ReduceConfig, state: TokenState, after: list[list[int]]) -> StepResult:
+    """A compact step's per-image counts on the host, from each image's survivors after each of ``cfg.ops``."""
+    B = len(after[-1])
+    removed = {"merge": [0] * B, "prune": [0] * B}
+    before = state.counts if state.counts is not None else [state.keep.shape[1]] * B  # real tokens entering
+    for op, cur in zip(cfg.ops, after):
+        removed[op] = [b - c for b, c in zip(before, cur)]
+        before = cur
+    kept = [c - cfg.num_prefix for c in after[-1]]
+    return StepResult(merged=removed["merge"], pruned=removed["prune"], kept=kept, kept_frac=kept)
 
 
 def _reduce_compact_merge_first(
@@ -435,19 +453,15 @@ def _reduce_compact_merge_first(
         _, drop, _ = _prune_decision(cfg, survive, importance, prune_threshold, 0, x.dtype, hard=True)  # (B, N)
         survive = survive ^ drop  # drop is a subset of survive
         masks.append(survive)
-    rank = torch.stack(masks).cumsum(2)  # (M, B, N) survivors up to each position, after merging (and pruning)
-    after = rank[:, :, -1].tolist()  # (M, B) each image's survivors: the one host synchronisation
+    rank, after = _survivor_counts(masks)
     counts = after[-1]
-    before = state.counts if state.counts is not None else [N] * B  # real tokens entering the block
-    target, _ = ops.slots(survive, counts, rank[-1])  # (B, N)
+    target, _ = ops.slots(survive, counts, rank)  # (B, N)
     target_a = target[:, ::2]  # (B, Na) view: merged A rows join their target's slot (a pruned target's: the dump)
     target_a.copy_(torch.where(merge_a, target.gather(1, dst_a), target_a))
     x, size, source, keep = ops.gather_slots(target, max(counts), x, state.size, state.source, True)
-    kept = [c - P for c in counts]
-    state = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts, merged_once=True,
-                                masked_once=sum(counts) < keep.numel())
-    return x, state, StepResult(merged=[b - a for b, a in zip(before, after[0])],
-                                pruned=[a - c for a, c in zip(after[0], counts)], kept=kept, kept_frac=kept)
+    state_out = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts, merged_once=True,
+                                    masked_once=sum(counts) < keep.numel())
+    return x, state_out, _host_result(cfg, state, after)
 
 
 def _reduce_single(
