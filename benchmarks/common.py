@@ -5,7 +5,8 @@ images of the speed studies, and the one training-free calibration recipe they u
 - :func:`run`: one ``ltmp`` command in this process, printed first; a failure exits with its code.
 - :func:`load_model`, :func:`load_images`, :func:`mean_gmacs`, :func:`at_gmacs`: the speed studies' models
   (``cifar``, or ``deit-s`` / ``vit-b`` with random weights), bundled images, a patched model's mean GMACs, and
-  fixed-rate baselines at a given GMACs.
+  fixed-rate baselines at a given GMACs; :func:`reference_tome`, the reference ToMe's own timm patch (a
+  checkout of facebookresearch/ToMe, not part of ltmp).
 - :func:`compact`, :func:`unpack`: what the documents use of an ``ltmp eval --json`` result, small enough to commit
   under results/ (the per-image correctness packed into hex), and back.
 - :func:`calibrated`: LTMP thresholds without training, ``calibrate(mode="quantile")`` on 64 bundled training
@@ -15,6 +16,7 @@ images of the speed studies, and the one training-free calibration recipe they u
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import timm
@@ -101,3 +103,14 @@ def unpack(packed: str) -> str:
     bits = bin(int(value, 16))[3:]
     assert len(bits) == int(n), "corrupt correctness record"
     return bits
+
+
+def reference_tome(dense: torch.nn.Module, path: str, rate: tuple[int, ...]) -> torch.nn.Module:
+    """The reference ToMe (facebookresearch/ToMe, ``tome.patch.timm``) on a copy of ``dense`` with per-layer r."""
+    sys.path.insert(0, path)
+    import tome  # noqa: PLC0415 (optional, outside the project)
+
+    model = copy.deepcopy(dense)
+    tome.patch.timm(model)
+    model.r = list(rate)
+    return model.eval()

@@ -8,6 +8,10 @@ line per model instead of the operator tables.
     python benchmarks/profile_step.py --model cifar --target 0.7
     python benchmarks/profile_step.py --model deit-s --batch-size 32
     python benchmarks/profile_step.py --model deit-s --batch-size 32 --device cuda   # + GPU kernel time
+    python benchmarks/profile_step.py --method tome --batch-size 32 --summary --tome-ref /path/to/ToMe
+
+``--tome-ref DIR`` (a checkout of facebookresearch/ToMe, not part of ltmp) also profiles the reference ToMe's own
+timm patch with the same per-layer r as ``--method tome``.
 
 On CUDA it also prints the wall time per forward next to the summed kernel time: a forward whose wall time is far
 above its kernel time is bound by launching operators, not by the GPU.
@@ -23,7 +27,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import ltmp
-from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs
+from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs, reference_tome
 from ltmp.runtime import HostSyncs, compile_model
 
 
@@ -41,6 +45,8 @@ def main() -> None:
                                                        "(Execution.importance_from_lse)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--max-buckets", type=int, help="Execution.max_buckets (1: attention never in groups)")
+    p.add_argument("--tome-ref", help="a checkout of facebookresearch/ToMe: also profile its timm patch "
+                                      "(with --method tome)")
     p.add_argument("--compile", action="store_true", help="both models under ltmp.runtime.compile_model (the first "
                                                           "forwards compile; the counts are of compiled forwards)")
     args = p.parse_args()
@@ -57,7 +63,12 @@ def main() -> None:
         red.ltmp_config.execution.max_buckets = args.max_buckets
     batches = [x[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.forwards)]
     print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}" + ("" if learned else " (LTMP's; matched GMACs)"))
-    for name, m in (("dense", dense), (args.method, red)):
+    models = [("dense", dense), (args.method, red)]
+    if args.tome_ref:
+        if args.method != "tome":
+            p.error("--tome-ref needs --method tome (the reference runs ToMe's r schedule)")
+        models.append(("tome-ref", reference_tome(dense, args.tome_ref, red.ltmp_config.rate).to(device)))
+    for name, m in models:
         m.eval()
         if args.compile:
             m = compile_model(m, device)

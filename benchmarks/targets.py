@@ -19,7 +19,6 @@ starting new rows after ``--budget`` seconds, so a GPU lent for minutes returns 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
@@ -29,23 +28,12 @@ import timm
 import torch
 
 import ltmp
-from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs
+from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs, reference_tome
 from ltmp.bench import compare_models, paired_ratio
 from ltmp.runtime import compile_model, pick_device
 from ltmp.thresholds import atomic_write
 
 TARGETS = {"tome": 0.60, "ltmp": 0.70}
-
-
-def reference_tome(dense: torch.nn.Module, path: str, rate: tuple[int, ...]) -> torch.nn.Module:
-    """The reference ToMe (facebookresearch/ToMe, ``tome.patch.timm``) on a copy of ``dense`` with per-layer r."""
-    sys.path.insert(0, path)
-    import tome  # noqa: PLC0415 (optional, outside the project)
-
-    model = copy.deepcopy(dense)
-    tome.patch.timm(model)
-    model.r = list(rate)
-    return model.eval()
 
 
 def row_for(name: str, dense, red, setting: str, mode: str, args, device) -> dict:
