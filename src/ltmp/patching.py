@@ -24,6 +24,7 @@ from .reduce import (
     MERGE_GRADS,
     METHODS,
     ReduceConfig,
+    SplitCounts,
     StepResult,
     TokenState,
     initial_state,
@@ -31,7 +32,9 @@ from .reduce import (
     is_exporting,
     layer_rate,
     log_size,
+    read_splits,
     reduce_step,
+    size_masks_padding,
     step_kind,
 )
 
@@ -66,6 +69,11 @@ class Record:
             n = self.num_patches
             if self._host is not None:
                 rows, batch, device, dtype = self._host
+                splits = [row[0] for row in rows if isinstance(row[0], SplitCounts)]
+                read_splits(splits)  # the merged / pruned split of compact steps of two operations, one host read
+                merge_first = METHODS[self.method][0][0] == "merge"
+                rows = [row if not isinstance(row[0], SplitCounts) else
+                        (*(row[0].removed()[::1 if merge_first else -1]), row[2]) for row in rows]
                 per_image = [[c if isinstance(c, list) else [c] * batch for c in row] for row in rows]  # (L, 3, B)
                 merged, pruned, kept = torch.tensor(per_image, device=device).permute(1, 2, 0).unbind(0)  # (B, L) each
                 keep_frac = torch.cat([kept.new_full((batch, 1), n), kept], 1).to(dtype) / n  # (B, L + 1)
@@ -292,8 +300,8 @@ def pool_bias(state: TokenState, dtype: torch.dtype) -> Tensor | None:
     return ops.key_bias(keep, log_size(state), dtype)
 
 
-def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) -> Tensor | None:
-    """Flat indices of the real tokens of a padded eval batch (B * N -> T), or None when there is no padding to
+def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) -> ops.PackedRows | None:
+    """The real tokens of a padded eval batch (their flat indices, B * N -> T), or None when there is no padding to
     skip (or too little, ``cfg.execution.pack_above``, unless ``always``; under torch.compile always, so that no
     guard depends on the counts). Packing makes the token-wise layers (norms, qkv, proj, MLP) cost the batch's
     *mean* token count instead of its longest."""
@@ -309,31 +317,24 @@ def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) ->
         idx = torch.nonzero_static(alive, size=state.real).squeeze(1)  # (T,)
     else:
         idx = alive.nonzero().squeeze(1)  # (T,)
-    state.packed = (state.keep, idx)
-    return idx
+    state.packed = (state.keep, ops.PackedRows(idx))
+    return state.packed[1]
 
 
-def _add_rows(residual: Tensor, idx: Tensor, out: Tensor) -> Tensor:
-    """``residual`` (T', C) with ``out`` (T, C) added at the rows ``idx`` (T,). Without gradients in place: the
-    residual stream of a padded eval batch is the block's own tensor, never read again (this saves a copy of it
-    per layer)."""
-    out = ops.cast(out, residual.dtype)
-    return residual.index_add(0, idx, out) if torch.is_grad_enabled() else residual.index_add_(0, idx, out)
-
-
-def _tokenwise(fn, x: Tensor, idx: Tensor | None, residual: Tensor | None = None) -> Tensor:
+def _tokenwise(fn, x: Tensor, rows: ops.PackedRows | None, residual: Tensor | None = None) -> Tensor:
     """``fn`` applied to the tokens of x (B, N, C), plus ``residual`` (B, N, C') if given; only at the packed
-    indices ``idx`` if given (padding gets 0, or keeps its residual)."""
-    if idx is None:
+    ``rows`` if given (padding gets 0, or keeps its residual). Without gradients the residual stream of a padded
+    batch gets the outputs added in place: it is the block's own tensor, never read again (this saves a copy of it
+    per layer)."""
+    if rows is None:
         return fn(x) if residual is None else residual + fn(x)
     B, N, _ = x.shape
     flat = ops.flat_rows(x)  # (B * N, C)
-    out = fn(flat.index_select(0, idx))  # (T, C')
+    out = fn(rows.take(flat))  # (T, C')
     if residual is not None:  # one pass: the residual stream with the real tokens' outputs added in
-        return _add_rows(flat if residual is x else ops.flat_rows(residual), idx, out).view(B, N, -1)  # (B, N, C')
-    padded = torch.zeros(B * N, out.shape[-1], dtype=out.dtype, device=out.device)  # (B * N, C')
-    return padded.index_copy_(0, idx, out).view(B, N, -1)  # (B, N, C')
-
+        res = flat if residual is x else ops.flat_rows(residual)  # (B * N, C')
+        return rows.add(res, ops.cast(out, res.dtype)).view(B, N, -1)  # (B, N, C')
+    return rows.pad(out, B * N).view(B, N, -1)  # (B, N, C')
 
 
 def _buckets(state: TokenState, view: BlockView, cfg: ReduceConfig) -> list[tuple[list[int], int]] | None:
@@ -352,12 +353,15 @@ def _buckets(state: TokenState, view: BlockView, cfg: ReduceConfig) -> list[tupl
 
 
 def _attention(view: BlockView, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: Tensor | None,
-               cfg: ReduceConfig):
+               cfg: ReduceConfig, ls_masks: bool = False):
     """Attention of eq. 5-7 on (B, H, N, D) q, k, v: the output (B, N, H * D) and, if the method prunes, the
     importance scores (B, N) of eq. 16/17, taken while the (B, H, N, N) probabilities are still in cache, or, with
-    ``Execution.importance_from_lse`` in eval without gradients, from a fused kernel's log-sum-exp."""
+    ``Execution.importance_from_lse`` in eval without gradients, from a fused kernel's log-sum-exp. ``ls_masks``:
+    the log sizes ``ls`` are already -inf at every key ``keep`` removes, so ``keep`` only weighs the importance's
+    query rows and the key bias is ``ls`` alone."""
     B, H, N, D = q.shape
     importance = None
+    rows, keep = keep, None if ls_masks else keep  # (B, N) query rows of eq. 17; keys the bias must still mask
     e = cfg.execution
     hard = keep is None or not keep.requires_grad
     drop = view.attn_drop if view.training else 0.0
@@ -369,12 +373,12 @@ def _attention(view: BlockView, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | 
         fused = ops.attention_with_lse(q, k, v, view.scale, bias)
     if fused is not None:
         o, lse = fused  # (B, H, N, D), (B, H, N)
-        importance = ops.importance_from_lse(q, k, lse, view.scale, bias, keep, cfg.importance)  # (B, N)
+        importance = ops.importance_from_lse(q, k, lse, view.scale, bias, rows, cfg.importance)  # (B, N)
     elif cfg.needs_importance or not (view.fused and e.fused_attention) or not hard \
             or is_exporting():  # SDPA's mask broadcasting would guard on the symbolic token count
         o, probs = ops.masked_attention(q, k, v, view.scale, keep, ls, drop, cfg.mask_grad)  # (B, H, N, D)
         if cfg.needs_importance:
-            importance = ops.importance_scores(probs, keep, cfg.importance)  # (B, N)
+            importance = ops.importance_scores(probs, rows, cfg.importance)  # (B, N)
         del probs
     else:  # hard masks only: a fused kernel with an additive bias does the same
         bias = ops.key_bias(keep, ls, q.dtype)  # (B, N) or None
@@ -398,9 +402,9 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
     B, N, C = x.shape
     H, D = view.heads, view.head_dim
     dev = x.device
-    idx = _packed_index(state, cfg, always=True)  # (T,)
-    T = idx.shape[0]
-    qkv = view.qkv(view.norm1(ops.flat_rows(x).index_select(0, idx)))  # (T, 3 * H * D)
+    packed = _packed_index(state, cfg, always=True)
+    T = packed.idx.shape[0]
+    qkv = view.qkv(view.norm1(packed.take(ops.flat_rows(x))))  # (T, 3 * H * D)
     ls = log_size(state)
     starts = [0]
     for c in state.counts[:-1]:
@@ -431,7 +435,8 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
         if cfg.needs_metric:
             metric[:, :n].index_copy_(0, sel, ops.cast(ops.head_mean(k), metric.dtype))  # (B, N, D)
     out = view.out(view.head_norm(o[:T]))  # (T, C)
-    x = _add_rows(ops.flat_rows(x), idx, out).view(B, N, C)  # (B, N, C)
+    flat = ops.flat_rows(x)  # (B * N, C)
+    x = packed.add(flat, ops.cast(out, flat.dtype)).view(B, N, C)  # (B, N, C)
     return x, importance, metric
 
 
@@ -458,21 +463,22 @@ def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceC
     if view.gate is not None:
         y = view.norm1(x)  # (B, N, C)
         gate, qkv = view.gate(y), view.qkv(y)  # (B, N, H * D), (B, N, 3 * H * D)
-        idx = None
+        rows = None
     else:
-        idx = _packed_index(state, cfg)
-        qkv = _tokenwise(lambda t: view.qkv(view.norm1(t)), x, idx)  # (B, N, 3 * H * D)
+        rows = _packed_index(state, cfg)
+        qkv = _tokenwise(lambda t: view.qkv(view.norm1(t)), x, rows)  # (B, N, 3 * H * D)
     qkv = qkv.reshape(B, N, 3, view.heads, view.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
     if cfg.needs_importance:  # explicit attention (or the lse pass): one copy of q, k and v, not one each
         qkv = qkv.contiguous()
     q, k, v = qkv.unbind(0)  # (B, H, N, D) each
     q, k = view.q_norm(q), view.k_norm(k)
     keep = state.keep if state.masked_once else None
-    o, importance = _attention(view, q, k, v, keep, log_size(state), cfg)  # (B, N, H * D), (B, N) or None
+    o, importance = _attention(view, q, k, v, keep, log_size(state), cfg,
+                               size_masks_padding(state))  # (B, N, H * D), (B, N) or None
     if gate is not None:
         x = x + view.out(view.head_norm(o) * gate)  # (B, N, C)
     else:
-        x = _tokenwise(lambda t: view.out(view.head_norm(t)), o, idx, x)  # (B, N, C)
+        x = _tokenwise(lambda t: view.out(view.head_norm(t)), o, rows, x)  # (B, N, C)
     return x, importance, ops.head_mean(k) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
 
 

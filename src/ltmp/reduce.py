@@ -120,8 +120,8 @@ class TokenState:
     merged_once: bool = False  # sizes may differ from 1 (proportional attention needed)
     masked_once: bool = False  # some token is masked or padded (masked attention needed)
     counts: list[int] | None = None  # eval: each image's real (not padding) tokens, on the host after compaction
-    packed: tuple[Tensor, Tensor] | None = None  # eval: (keep, flat indices of its real tokens), reused by the
-    #                                              MLP and the next block's attention while keep is the same tensor
+    packed: tuple[Tensor, ops.PackedRows] | None = None  # eval: (keep, its real tokens), reused by the MLP and
+    #                                                      the next block's attention while keep is the same tensor
 
     @property
     def real(self) -> int | None:
@@ -133,9 +133,10 @@ class TokenState:
 class StepResult:
     """Per-image counts of one block's reduction."""
 
-    # each (B,): a tensor, or on the host (eval without gradients) an int for every image or a list of B ints
-    merged: Tensor | int | list[int]  # tokens merged away in this block
-    pruned: Tensor | int | list[int]  # tokens pruned in this block
+    # each (B,): a tensor, or on the host (eval without gradients) an int for every image or a list of B ints;
+    # merged and pruned of a compact step of two operations: one SplitCounts, read when a record is read
+    merged: Tensor | int | list[int] | SplitCounts  # tokens merged away in this block
+    pruned: Tensor | int | list[int] | SplitCounts  # tokens pruned in this block
     kept: Tensor | int | list[int]  # patch tokens surviving this block (hard count)
     kept_frac: Tensor | int | list[int]  # surviving patch tokens, differentiable in train mode (m-bar of eq. 13, x n)
 
@@ -385,32 +386,59 @@ def _reduce_compact(
             _, drop, _ = _prune_decision(cfg, alive, importance, prune_threshold, 0, x.dtype, hard=True)  # (B, N)
             alive = alive & ~drop
         masks.append(alive)
-    rank, after = _survivor_counts(masks)
-    x, size, source, keep, counts = ops.contract(alive, x, state.size, state.source, merge, dst, after[-1], rank)
+    rank, counts = _survivor_counts(masks)
+    x, size, source, keep, counts = ops.contract(alive, x, state.size, state.source, merge, dst, counts, rank)
     state_out = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts,
                                     merged_once=state.merged_once or merge is not None,
                                     masked_once=sum(counts) < keep.numel())
-    return x, state_out, _host_result(cfg, state, after)
+    return x, state_out, _host_result(cfg, state, masks, counts)
 
 
-def _survivor_counts(masks: list[Tensor]) -> tuple[Tensor, list[list[int]]]:
+def _survivor_counts(masks: list[Tensor]) -> tuple[Tensor, list[int]]:
     """The compact steps' one host synchronisation: from the survivor masks (B, N) after each operation of a step,
     the last one's rank of each token among the survivors (B, N) (``alive.cumsum(1)``, for :func:`ltmp.ops.slots`)
-    and each image's survivor count after each operation, read back together."""
-    rank = torch.stack(masks).cumsum(2)  # (M, B, N) survivors up to each position
-    return rank[-1], rank[:, :, -1].tolist()  # (B, N), (M, B)
+    and each image's survivor count, read back."""
+    rank = masks[-1].cumsum(1)  # (B, N) survivors up to each position
+    return rank, rank[:, -1].tolist()  # (B, N), (B,)
 
 
-def _host_result(cfg: ReduceConfig, state: TokenState, after: list[list[int]]) -> StepResult:
-    """A compact step's per-image counts on the host, from each image's survivors after each of ``cfg.ops``."""
-    B = len(after[-1])
-    removed = {"merge": [0] * B, "prune": [0] * B}
+class SplitCounts:
+    """The tokens a compact step of two operations removed from each image, per operation: the step reads back
+    only the survivors after both (:func:`_survivor_counts`); how many the first operation removed is read from
+    its survivor mask when a record is read (:func:`read_splits`, one host read for the whole forward)."""
+
+    def __init__(self, first: Tensor, before: list[int], after: list[int]):
+        self.first = first  # (B, N) bool, the survivors after the first operation
+        self.before, self.after = before, after  # each image's real tokens entering and leaving the step
+        self.mid: list[int] | None = None  # each image's survivors after the first operation, once read
+
+    def removed(self) -> tuple[list[int], list[int]]:
+        """Per image, the tokens removed by the first and by the second operation."""
+        return ([b - m for b, m in zip(self.before, self.mid)], [m - a for m, a in zip(self.mid, self.after)])
+
+
+def read_splits(splits: list[SplitCounts]) -> None:
+    """Read every unread :class:`SplitCounts` of a forward in one host synchronisation."""
+    todo = [s for s in splits if s.mid is None]
+    if todo:
+        mids = torch.stack([s.first.sum(1) for s in todo]).tolist()  # (S, B)
+        for s, mid in zip(todo, mids):
+            s.mid = mid
+
+
+def _host_result(cfg: ReduceConfig, state: TokenState, masks: list[Tensor], after: list[int]) -> StepResult:
+    """A compact step's per-image counts on the host, from each image's survivors after the step (``after``);
+    with two operations, their split is read later from the survivors after the first (:class:`SplitCounts`)."""
+    B = len(after)
     before = state.counts if state.counts is not None else [state.keep.shape[1]] * B  # real tokens entering
-    for op, cur in zip(cfg.ops, after):
-        removed[op] = [b - c for b, c in zip(before, cur)]
-        before = cur
-    kept = [c - cfg.num_prefix for c in after[-1]]
-    return StepResult(merged=removed["merge"], pruned=removed["prune"], kept=kept, kept_frac=kept)
+    kept = [c - cfg.num_prefix for c in after]
+    if len(cfg.ops) == 2:
+        split = SplitCounts(masks[0], before, after)
+        return StepResult(merged=split, pruned=split, kept=kept, kept_frac=kept)
+    removed = [b - c for b, c in zip(before, after)]
+    none = [0] * B
+    merged, pruned = (removed, none) if cfg.ops[0] == "merge" else (none, removed)
+    return StepResult(merged=merged, pruned=pruned, kept=kept, kept_frac=kept)
 
 
 def _reduce_compact_merge_first(
@@ -453,15 +481,14 @@ def _reduce_compact_merge_first(
         _, drop, _ = _prune_decision(cfg, survive, importance, prune_threshold, 0, x.dtype, hard=True)  # (B, N)
         survive = survive ^ drop  # drop is a subset of survive
         masks.append(survive)
-    rank, after = _survivor_counts(masks)
-    counts = after[-1]
+    rank, counts = _survivor_counts(masks)
     target, _ = ops.slots(survive, counts, rank)  # (B, N)
     target_a = target[:, ::2]  # (B, Na) view: merged A rows join their target's slot (a pruned target's: the dump)
     target_a.copy_(torch.where(merge_a, target.gather(1, dst_a), target_a))
     x, size, source, keep = ops.gather_slots(target, max(counts), x, state.size, state.source, True)
     state_out = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts, merged_once=True,
                                     masked_once=sum(counts) < keep.numel())
-    return x, state_out, _host_result(cfg, state, after)
+    return x, state_out, _host_result(cfg, state, masks, counts)
 
 
 def _reduce_single(
@@ -708,6 +735,12 @@ def log_size(state: TokenState) -> Tensor | None:
     if not state.masked_once or (state.compact and not state.size.requires_grad):
         return state.size.log()  # (B, N); sizes >= 1, or 0 at padding (-inf there: masked anyway)
     return state.size.clamp(min=1).log()  # (B, N); padding and removed tokens (size 0) are masked anyway
+
+
+def size_masks_padding(state: TokenState) -> bool:
+    """Whether :func:`log_size` is already -inf at every key attention must leave out (a compact eval state after
+    a merge: padding has size 0, and its log needs no mask added)."""
+    return state.compact and state.merged_once and not state.size.requires_grad
 
 
 def no_reduction_thresholds() -> tuple[float, float]:
