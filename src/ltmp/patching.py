@@ -421,6 +421,8 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
         real = pos < count  # (b, n)
         at = start + torch.minimum(pos, count - 1)  # (b, n) packed row of each position
         g = qkv.index_select(0, at.view(-1)).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
+        if cfg.needs_importance:  # explicit attention: one copy of q, k and v, not one each (as _whole_attention)
+            g = g.contiguous()
         q, k, v = g.unbind(0)  # (b, H, n, D) each
         q, k = view.q_norm(q), view.k_norm(k)
         padded = not all(state.counts[i] == n for i in rows)
