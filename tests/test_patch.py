@@ -393,12 +393,13 @@ def test_class_attention_importance_runs_and_records_choice(tmp_path):
 
 
 
-@pytest.mark.parametrize("method,options", [("ltmp", THRESHOLDS), ("tome", dict(r=6)), ("topk-prune", dict(k=5)),
-                                            ("topk-mp", dict(k=3))])
+@pytest.mark.parametrize("method,options", [("ltmp", THRESHOLDS), ("ltpm", THRESHOLDS), ("ltm", THRESHOLDS),
+                                            ("tome", dict(r=6)), ("topk-prune", dict(k=5)), ("topk-mp", dict(k=3))])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_eval_host_synchronisations(method, options, batch):
     """Fixed rates read nothing back from the device (token counts follow from the shapes); learned thresholds
-    at batch 4 once per block (each compaction's counts)."""
+    at batch 4 once per block (each compaction's counts), and a method of two operations once more for the whole
+    record when its merged / pruned counts are read."""
     from ltmp.runtime import HostSyncs
 
     model = patched("cls", method, options, dtype=torch.float32).eval()
@@ -409,8 +410,15 @@ def test_eval_host_synchronisations(method, options, batch):
         assert syncs.calls == {}
     elif batch > 1:
         assert syncs.calls == {"tolist": len(model.blocks)}
-    else:  # one image: the index lists of merging and of the survivors
-        assert set(syncs.calls) == {"nonzero"} and syncs.count <= 2 * len(model.blocks), syncs.calls
+        with HostSyncs() as reads:
+            rec = ltmp.stats(model)
+            counts = rec.merged + rec.pruned + rec.kept  # (B, L)
+        assert reads.calls == ({"tolist": 1} if len(ltmp.METHODS[method][0]) == 2 else {}), reads.calls
+        before = torch.cat([torch.full((batch, 1), 64), rec.kept[:, :-1]], 1)  # (B, L) patch tokens entering
+        assert torch.equal(counts, before)
+    else:  # one image: the index lists of merging and of the survivors (ltpm: also those of pruning, first)
+        per_block = 3 if method == "ltpm" else 2
+        assert set(syncs.calls) == {"nonzero"} and syncs.count <= per_block * len(model.blocks), syncs.calls
 
 
 def test_host_sync_counter_sees_reads():
