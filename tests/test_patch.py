@@ -217,6 +217,21 @@ def test_budget_loss_keeps_its_gradient_when_the_record_is_first_read_without_gr
     assert ltmp.budget_loss(model, 0.5).requires_grad
 
 
+@pytest.mark.parametrize("method,options", FIXED, ids=[m for m, _ in FIXED])
+def test_fixed_rates_in_eval_pass_gradients_to_the_input(method, options):
+    """Saliency maps and attacks backpropagate through an eval-mode model: the static step's input gradient
+    equals the masked (train-mode) step's."""
+    model = patched("cls", method, options)
+    x = images(2).requires_grad_()
+    model.eval()
+    model(x).sum().backward()
+    static = x.grad.clone()
+    x.grad = None
+    model.train()
+    model(x).sum().backward()
+    assert torch.allclose(x.grad, static, atol=1e-10, rtol=0), (x.grad - static).abs().max()
+
+
 def test_fixed_rate_methods_have_no_thresholds():
     model = patched("cls", "tome", dict(r=4))
     assert not [n for n, _ in model.named_parameters() if "threshold" in n]

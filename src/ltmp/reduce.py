@@ -692,7 +692,9 @@ def _merge_rows(x: Tensor, size: Tensor, source: Tensor | None, importance: Tens
     s = ops.cast(size, dt)  # (B, N)
     xw = ops.cast(x, dt) * s.view(B, N, 1)  # (B, N, C) size-weighted tokens
     dst_c = _rows(dst, C)  # (B, k, C)
-    num = xw.scatter_add_(1, dst_c, xw.gather(1, _rows(src, C)))  # (B, N, C), in place: xw is this step's own
+    moved = xw.gather(1, _rows(src, C))  # (B, k, C)
+    # in place without gradients (xw is this step's own; with them, the gather saved it for its backward)
+    num = xw.scatter_add(1, dst_c, moved) if xw.requires_grad else xw.scatter_add_(1, dst_c, moved)  # (B, N, C)
     den = s.scatter_add(1, dst, s.gather(1, src))  # (B, N)
     # the targets' new values; the other tokens (den == s: nothing added) stay bit-identical
     x = torch.where((den > s).view(B, N, 1), ops.cast(num.div_(den.view(B, N, 1)), x.dtype), x)  # (B, N, C)
