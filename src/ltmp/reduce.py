@@ -414,6 +414,7 @@ class SplitCounts:
 
     def removed(self) -> tuple[list[int], list[int]]:
         """Per image, the tokens removed by the first and by the second operation."""
+        read_splits([self])  # (a no-op once read)
         return ([b - m for b, m in zip(self.before, self.mid)], [m - a for m, a in zip(self.mid, self.after)])
 
 
