@@ -5,7 +5,8 @@
 #            shapes, fp32 batch 32 and bf16 batch 256, LTMP at r_FLOPs 0.5, ToMe and top-k at its GMACs, the
 #            reference ToMe's own patch if TOME_REF names a checkout of facebookresearch/ToMe; eager first, then
 #            compiled (CUDA graphs for dense and fixed rates)
-#   profile  wall time against GPU kernel time per forward, DeiT-S batch 32 (benchmarks/profile_step.py)
+#   profile  wall time against GPU kernel time per forward, DeiT-S batch 32 (benchmarks/profile_step.py; with
+#            TOME_REF, the reference ToMe beside ours)
 # Further steps (STEPS="..."), each several minutes:
 #   check    correctness of the CUDA paths (benchmarks/cuda_check.py)
 #   speed    benchmarks/speed.py unchanged on CUDA (fp32: the CPU run's settings)
@@ -49,8 +50,10 @@ fi
 if want profile; then
     for m in ltmp tome; do
         step "profile on CUDA: DeiT-S batch 32, $m at r 0.5"
+        ref=""
+        if [ "$m" = tome ] && [ -n "${TOME_REF:-}" ]; then ref="--tome-ref $TOME_REF"; fi  # the reference's too
         run timeout 45 $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 \
-            --method $m --target 0.5 --device cuda --summary
+            --method $m --target 0.5 --device cuda --summary $ref
     done
 fi
 if want lse; then
