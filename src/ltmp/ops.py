@@ -81,8 +81,9 @@ class PackedRows:
     """The real rows of a padded batch flattened to a matrix (B * N, K), at the flat indices ``idx`` (T,): taken
     out as (T, K) and added back. Each row width's gather/scatter index (T, K) is an expanded view of ``idx``,
     made once: ``gather`` with it makes 2 operator calls where ``index_select`` makes 6, and ``scatter_add_`` 1
-    where ``index_add_`` makes 3, in the same time on the CPU (benchmarks/packed_index.py). The results are the
-    same: each real row is copied, or added once."""
+    where ``index_add_`` makes 3, in about the same time on the CPU (0.9-1.2x, run to run; up to 1.19x for the
+    gather at batch 256: benchmarks/packed_index.py). The results are the same: each real row is copied, or added
+    once."""
 
     def __init__(self, idx: Tensor):
         self.idx = idx  # (T,)
