@@ -77,6 +77,12 @@ def flat_rows(t: Tensor) -> Tensor:
     return reshaped(t, -1, t.shape[-1])
 
 
+def row_index(index: Tensor, width: int) -> Tensor:
+    """Token positions (..., k) as a gather/scatter index of whole rows of ``width`` channels: (..., k, width), an
+    expanded view."""
+    return index.view(*index.shape, 1).expand(*index.shape, width)
+
+
 class PackedRows:
     """The real rows of a padded batch flattened to a matrix (B * N, K), at the flat indices ``idx`` (T,): taken
     out as (T, K) and added back. Each row width's gather/scatter index (T, K) is an expanded view of ``idx``,
@@ -92,7 +98,7 @@ class PackedRows:
     def index(self, width: int) -> Tensor:
         """``idx`` as a (T, width) index of whole rows."""
         if width not in self._index:
-            self._index[width] = self.idx.view(-1, 1).expand(-1, width)  # (T, width)
+            self._index[width] = row_index(self.idx, width)  # (T, width)
         return self._index[width]
 
     def take(self, flat: Tensor) -> Tensor:

@@ -71,9 +71,8 @@ class Record:
                 rows, batch, device, dtype = self._host
                 splits = [row[0] for row in rows if isinstance(row[0], SplitCounts)]
                 read_splits(splits)  # the merged / pruned split of compact steps of two operations, one host read
-                merge_first = METHODS[self.method][0][0] == "merge"
-                rows = [row if not isinstance(row[0], SplitCounts) else
-                        (*(row[0].removed()[::1 if merge_first else -1]), row[2]) for row in rows]
+                rows = [(*row[0].merged_pruned(), row[2]) if isinstance(row[0], SplitCounts) else row
+                        for row in rows]
                 per_image = [[c if isinstance(c, list) else [c] * batch for c in row] for row in rows]  # (L, 3, B)
                 merged, pruned, kept = torch.tensor(per_image, device=device).permute(1, 2, 0).unbind(0)  # (B, L) each
                 keep_frac = torch.cat([kept.new_full((batch, 1), n), kept], 1).to(dtype) / n  # (B, L + 1)

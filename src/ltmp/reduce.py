@@ -403,19 +403,22 @@ def _survivor_counts(masks: list[Tensor]) -> tuple[Tensor, list[int]]:
 
 
 class SplitCounts:
-    """The tokens a compact step of two operations removed from each image, per operation: the step reads back
-    only the survivors after both (:func:`_survivor_counts`); how many the first operation removed is read from
-    its survivor mask when a record is read (:func:`read_splits`, one host read for the whole forward)."""
+    """The tokens a compact step of two operations merged and pruned in each image: the step reads back only the
+    survivors after both (:func:`_survivor_counts`); how many the first operation removed is read from its
+    survivor mask when a record is read (:func:`read_splits`, one host read for the whole forward)."""
 
-    def __init__(self, first: Tensor, before: list[int], after: list[int]):
+    def __init__(self, ops: tuple[str, ...], first: Tensor, before: list[int], after: list[int]):
+        self.ops = ops  # the step's two operations, in order ("merge", "prune" or "prune", "merge")
         self.first = first  # (B, N) bool, the survivors after the first operation
         self.before, self.after = before, after  # each image's real tokens entering and leaving the step
         self.mid: list[int] | None = None  # each image's survivors after the first operation, once read
 
-    def removed(self) -> tuple[list[int], list[int]]:
-        """Per image, the tokens removed by the first and by the second operation."""
+    def merged_pruned(self) -> tuple[list[int], list[int]]:
+        """Per image, the tokens merged away and the tokens pruned."""
         read_splits([self])  # (a no-op once read)
-        return ([b - m for b, m in zip(self.before, self.mid)], [m - a for m, a in zip(self.mid, self.after)])
+        first = [b - m for b, m in zip(self.before, self.mid)]
+        second = [m - a for m, a in zip(self.mid, self.after)]
+        return (first, second) if self.ops[0] == "merge" else (second, first)
 
 
 def read_splits(splits: list[SplitCounts]) -> None:
@@ -434,7 +437,7 @@ def _host_result(cfg: ReduceConfig, state: TokenState, masks: list[Tensor], afte
     before = state.counts if state.counts is not None else [state.keep.shape[1]] * B  # real tokens entering
     kept = [c - cfg.num_prefix for c in after]
     if len(cfg.ops) == 2:
-        split = SplitCounts(masks[0], before, after)
+        split = SplitCounts(cfg.ops, masks[0], before, after)
         return StepResult(merged=split, pruned=split, kept=kept, kept_frac=kept)
     removed = [b - c for b, c in zip(before, after)]
     none = [0] * B
@@ -618,13 +621,8 @@ def _survivors(scores: Tensor, k: int, offset: int) -> Tensor:
 
 def _gather(keep: Tensor, *tensors: Tensor | None) -> list[Tensor | None]:
     """The tensors (B, N, ...) at the positions ``keep`` (B, N')."""
-    return [None if t is None else t.gather(1, keep) if t.dim() == 2 else t.gather(1, _rows(keep, t.shape[2]))
+    return [None if t is None else t.gather(1, keep) if t.dim() == 2 else t.gather(1, ops.row_index(keep, t.shape[2]))
             for t in tensors]
-
-
-def _rows(index: Tensor, width: int) -> Tensor:
-    """Token positions (B, k) as a gather/scatter index of rows of ``width`` channels: (B, k, width)."""
-    return index.view(*index.shape, 1).expand(*index.shape, width)
 
 
 def _reduce_fixed(
@@ -692,8 +690,8 @@ def _merge_rows(x: Tensor, size: Tensor, source: Tensor | None, importance: Tens
     dt = ops.promote(x.dtype, size.dtype)
     s = ops.cast(size, dt)  # (B, N)
     xw = ops.cast(x, dt) * s.view(B, N, 1)  # (B, N, C) size-weighted tokens
-    dst_c = _rows(dst, C)  # (B, k, C)
-    moved = xw.gather(1, _rows(src, C))  # (B, k, C)
+    dst_c = ops.row_index(dst, C)  # (B, k, C)
+    moved = xw.gather(1, ops.row_index(src, C))  # (B, k, C)
     # in place without gradients (xw is this step's own; with them, the gather saved it for its backward)
     num = xw.scatter_add(1, dst_c, moved) if xw.requires_grad else xw.scatter_add_(1, dst_c, moved)  # (B, N, C)
     den = s.scatter_add(1, dst, s.gather(1, src))  # (B, N)
@@ -701,7 +699,7 @@ def _merge_rows(x: Tensor, size: Tensor, source: Tensor | None, importance: Tens
     x = torch.where((den > s).view(B, N, 1), ops.cast(num.div_(den.view(B, N, 1)), x.dtype), x)  # (B, N, C)
     if source is not None:
         K = source.shape[2]
-        source = source.scatter_add(1, _rows(dst, K), source.gather(1, _rows(src, K)))  # (B, N, N0)
+        source = source.scatter_add(1, ops.row_index(dst, K), source.gather(1, ops.row_index(src, K)))  # (B, N, N0)
     if importance is not None:
         importance = importance.scatter_reduce(1, dst, importance.gather(1, src), "amax")  # (B, N)
     return x, ops.cast(den, size.dtype), source, importance
