@@ -58,6 +58,7 @@ def row_for(name: str, dense, red, setting: str, mode: str, args, device) -> dic
     return {"model": name, "setting": setting, "mode": mode, "batch": int(batch),
             "dense_ms": 1000 * timed["dense"]["median"], "seconds": time.perf_counter() - t0,
             "gmacs_ratio": {k: v / ltmp.dense_gmacs(spec) for k, v in gmacs.items()},
+            # every layer at the batch's padded length: an upper bound (token-wise layers run packed)
             "executed_gmacs_ratio": ltmp.gmacs_executed(spec, rec.padded) / ltmp.dense_gmacs(spec),
             "time_ratio": {k: v["median"] for k, v in ratios.items()},
             "time_ratio_iqr": {k: [v["p25"], v["p75"]] for k, v in ratios.items()}}
@@ -73,8 +74,9 @@ def verdict(row: dict) -> str:
     if "tome-ref" in t:
         parts.append(f"reference ToMe {t['tome-ref']:.3f}")
     if row.get("device") == "cpu" and row["model"] == "deit-s" and row["setting"] == "fp32:32":
-        parts.append(f"CPU target LTMP >= 1.8x throughput: {1 / t['ltmp']:.2f}x, "
-                     f"{'met' if t['ltmp'] <= 1 / 1.8 else 'missed'}")
+        lo, hi = row["time_ratio_iqr"]["ltmp"]
+        parts.append(f"CPU target LTMP >= 1.8x throughput: {1 / t['ltmp']:.2f}x "
+                     f"(quartiles {1 / hi:.2f}-{1 / lo:.2f}x), {'met' if t['ltmp'] <= 1 / 1.8 else 'missed'}")
     return "; ".join(parts)
 
 
@@ -117,7 +119,7 @@ def main() -> int:
                 out["rows"].append(row)
                 atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=1)))
                 print(f"{model_name} {setting} {mode}: dense {row['dense_ms']:.1f} ms; LTMP GMACs ratio "
-                      f"{row['gmacs_ratio']['ltmp']:.3f} (executed {row['executed_gmacs_ratio']:.3f}); "
+                      f"{row['gmacs_ratio']['ltmp']:.3f} (at padded length {row['executed_gmacs_ratio']:.3f}); "
                       + verdict(row), flush=True)
     print(f"wrote {args.json} ({time.monotonic() - start:.0f} s)")
     return 0
