@@ -106,9 +106,10 @@ class PackedRows:
         return flat.gather(0, self.index(flat.shape[1]))  # (T, K)
 
     def add(self, flat: Tensor, rows: Tensor) -> Tensor:
-        """``flat`` (B * N, K) with ``rows`` (T, K) added at the real rows; in place without gradients (the
-        caller's own tensor)."""
+        """``flat`` (B * N, K) with ``rows`` (T, K) added at the real rows, in ``flat``'s dtype; in place without
+        gradients (the caller's own tensor)."""
         index = self.index(flat.shape[1])  # (T, K)
+        rows = cast(rows, flat.dtype)  # (T, K)
         return flat.scatter_add(0, index, rows) if torch.is_grad_enabled() else flat.scatter_add_(0, index, rows)
 
     def pad(self, rows: Tensor, total: int) -> Tensor:

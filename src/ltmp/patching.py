@@ -332,7 +332,7 @@ def _tokenwise(fn, x: Tensor, rows: ops.PackedRows | None, residual: Tensor | No
     out = fn(rows.take(flat))  # (T, C')
     if residual is not None:  # one pass: the residual stream with the real tokens' outputs added in
         res = flat if residual is x else ops.flat_rows(residual)  # (B * N, C')
-        return rows.add(res, ops.cast(out, res.dtype)).view(B, N, -1)  # (B, N, C')
+        return rows.add(res, out).view(B, N, -1)  # (B, N, C')
     return rows.pad(out, B * N).view(B, N, -1)  # (B, N, C')
 
 
@@ -436,8 +436,7 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
         if cfg.needs_metric:
             metric[:, :n].index_copy_(0, sel, ops.cast(ops.head_mean(k), metric.dtype))  # (B, N, D)
     out = view.out(view.head_norm(o[:T]))  # (T, C)
-    flat = ops.flat_rows(x)  # (B * N, C)
-    x = packed.add(flat, ops.cast(out, flat.dtype)).view(B, N, C)  # (B, N, C)
+    x = packed.add(ops.flat_rows(x), out).view(B, N, C)  # (B, N, C)
     return x, importance, metric
 
 

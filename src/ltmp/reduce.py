@@ -733,7 +733,7 @@ def log_size(state: TokenState) -> Tensor | None:
     """log of the token sizes for proportional attention (ToMe), or None while all sizes are 1."""
     if not state.merged_once:
         return None
-    if not state.masked_once or (state.compact and not state.size.requires_grad):
+    if not state.masked_once or size_masks_padding(state):
         return state.size.log()  # (B, N); sizes >= 1, or 0 at padding (-inf there: masked anyway)
     return state.size.clamp(min=1).log()  # (B, N); padding and removed tokens (size 0) are masked anyway
 
