@@ -26,7 +26,7 @@ import torch
 
 import ltmp
 from common import ROOT, at_gmacs, calibrated, load_images, load_model, mean_gmacs
-from ltmp.bench import compare_models, paired_ratio
+from ltmp.bench import allocator, compare_models, paired_ratio
 
 
 def load_base(commit: str, folder: Path):
@@ -70,7 +70,7 @@ def main() -> int:
             same = torch.equal(ltmp.stats(new).kept, base_pkg.stats(base).kept)
             print(f"{args.model} {args.method} (calibrated r_FLOPs {r:.3f}), batch {args.batch_size}, this checkout "
                   f"against {args.base}: same kept counts {same}, max |logit difference| "
-                  f"{float((a - b).abs().max()):.2e}")
+                  f"{float((a - b).abs().max()):.2e}; {allocator()}")
             timed = compare_models({"dense": dense, "new": new, "base": base}, inputs, warmup=1, reps=args.reps,
                                    rounds=args.rounds)
     for num, den in (("new", "dense"), ("base", "dense"), ("new", "base")):

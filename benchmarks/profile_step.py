@@ -28,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs, reference_tome
+from ltmp.bench import allocator
 from ltmp.runtime import HostSyncs, compile_model
 
 
@@ -62,7 +63,8 @@ def main() -> None:
     if args.max_buckets is not None:
         red.ltmp_config.execution.max_buckets = args.max_buckets
     batches = [x[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.forwards)]
-    print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}" + ("" if learned else " (LTMP's; matched GMACs)"))
+    print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}" + ("" if learned else " (LTMP's; matched GMACs)")
+          + ("" if cuda else f"; {allocator()}"))
     models = [("dense", dense), (args.method, red)]
     if args.tome_ref:
         if args.method != "tome":

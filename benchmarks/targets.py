@@ -29,7 +29,7 @@ import torch
 
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs, reference_tome
-from ltmp.bench import compare_models, paired_ratio
+from ltmp.bench import allocator, compare_models, paired_ratio
 from ltmp.runtime import compile_model, pick_device
 from ltmp.thresholds import atomic_write
 
@@ -98,7 +98,8 @@ def main() -> int:
         args.models, args.settings, args.warmup, args.reps, args.rounds = "cifar", "fp32:8", 1, 1, 1
     device = pick_device(args.device)
     start = time.monotonic()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"CPU ({torch.get_num_threads()} threads, {allocator()})"
     out = {"command": "python benchmarks/targets.py " + " ".join(sys.argv[1:]),
            "env": {"device_name": name, "torch": torch.__version__, "timm": timm.__version__}, "rows": []}
     print(f"{name}, torch {torch.__version__}, timm {timm.__version__}")

@@ -1,8 +1,10 @@
 """Timing helpers of ltmp.bench: interleaved rounds and time ratios paired round by round."""
+import platform
+
 import pytest
 import torch
 
-from ltmp.bench import compare_models, paired_ratio
+from ltmp.bench import GLIBC_MALLOC_ENV, allocator, compare_models, paired_ratio
 
 
 class Recorder(torch.nn.Module):
@@ -39,3 +41,27 @@ def test_paired_ratio_is_the_median_of_each_rounds_ratio():
     assert r["median"] == 0.5 and r["p25"] <= 0.5 <= r["p75"] == pytest.approx(0.75)
     single = paired_ratio({"a": {"times": [3.0]}, "b": {"times": [2.0]}}, "a", "b")
     assert single == {"median": 1.5, "p25": 1.5, "p75": 1.5}
+
+
+@pytest.fixture
+def plain_env(monkeypatch):
+    """No allocator settings in the environment."""
+    for k in ("LD_PRELOAD", "GLIBC_TUNABLES", *GLIBC_MALLOC_ENV):
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+def test_allocator_names_a_preloaded_one(plain_env):
+    plain_env.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert allocator() == "jemalloc"
+    plain_env.setenv("LD_PRELOAD", "/opt/lib/libtcmalloc_minimal.so.4:/opt/lib/other.so")
+    assert allocator() == "tcmalloc"
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
+def test_allocator_names_glibc_malloc_settings(plain_env):
+    assert allocator() == "glibc malloc (defaults)"
+    plain_env.setenv("MALLOC_MMAP_THRESHOLD_", "4294967296")
+    plain_env.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1:glibc.pthread.rseq=0")
+    assert allocator() == "glibc malloc (MALLOC_MMAP_THRESHOLD_=4294967296, glibc.malloc.trim_threshold=1)"
+

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 import ltmp
+from ltmp.bench import allocator
 from ltmp.cli import main
 
 TINY_ARGS = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=3)
@@ -403,7 +404,9 @@ def test_bench_reports_time_and_gmacs_ratios(tiny_model, tiny_data, tmp_path, ca
         assert r["time_ratio"] > 0 and lo <= r["time_ratio"] <= hi
         assert 0 < r["gmacs_ratio"] < 1 and r["gmacs_executed_ratio"] >= r["gmacs_ratio"] - 1e-12
     assert {"device", "threads", "gmacs_dense"} <= set(res) and res["inputs"] == str(tiny_data)
-    assert "time ratio" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "time ratio" in printed
+    assert res["allocator"] == allocator() and f"torch {torch.__version__}, {allocator()}" in printed  # on the CPU
 
 
 def test_bench_on_random_inputs_says_so_for_learned_thresholds(tiny_model, tmp_path, capsys):

@@ -2,6 +2,7 @@
 is synchronised around each timing."""
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -14,6 +15,28 @@ from .flops import dense_gmacs, gmacs, gmacs_executed
 from .patching import vit_spec
 from .record import stats
 from .runtime import compile_model
+
+#: glibc's malloc settings (environment variables read at process start) that change how large tensors are served
+GLIBC_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+
+
+def allocator() -> str:
+    """The heap allocator that serves CPU tensors in this process: a preloaded jemalloc, tcmalloc or mimalloc
+    (``LD_PRELOAD``), else glibc malloc with its defaults or with the settings given, else "system".
+
+    It changes CPU timings, and dense ones most: with glibc's defaults every tensor above the mmap threshold
+    (dynamic, at most 32 MiB) gets fresh pages from the kernel each time it is allocated, and a dense batch has
+    more such tensors than a reduced one (docs/performance.md, "Memory allocator")."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    for name in ("jemalloc", "tcmalloc", "mimalloc"):
+        if name in preload:
+            return name
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return "system"
+    tuned = [f"{k}={os.environ[k]}" for k in GLIBC_MALLOC_ENV if k in os.environ]
+    tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.")]
+    settings = tuned + tunables
+    return f"glibc malloc ({', '.join(settings)})" if settings else "glibc malloc (defaults)"
 
 
 def _sync(device: torch.device) -> None:
@@ -93,7 +116,8 @@ def bench_models(dense: nn.Module, reduced: nn.Module, batch: torch.Tensor, batc
     device = next(dense.parameters()).device
     spec = vit_spec(dense)
     result = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "machine": platform.machine(), "method": reduced.ltmp_config.method,
+              "machine": platform.machine(), "allocator": allocator() if device.type == "cpu" else None,
+              "method": reduced.ltmp_config.method,
               "gmacs_dense": dense_gmacs(spec), "compiled": compile, "runs": []}
     run_dense, run_reduced = dense, reduced
     if compile:  # both alike; the warm-up forwards compile (the first batch size's take longest)

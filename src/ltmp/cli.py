@@ -215,6 +215,7 @@ def cmd_bench(args) -> int:
               f"{run['gmacs_executed_ratio']:.3f}); throughput dense {run['throughput_dense']:.1f}, "
               f"{result['method']} {run['throughput_reduced']:.1f} img/s")
     print(f"{result['device']}, {result['threads']} threads, torch {result['torch']}"
+          + (f", {result['allocator']}" if result["allocator"] else "")
           + (", both models under torch.compile" if args.compile else ""))
     if args.json:
         from .thresholds import atomic_write
