@@ -404,9 +404,10 @@ def test_bench_reports_time_and_gmacs_ratios(tiny_model, tiny_data, tmp_path, ca
         assert r["time_ratio"] > 0 and lo <= r["time_ratio"] <= hi
         assert 0 < r["gmacs_ratio"] < 1 and r["gmacs_executed_ratio"] >= r["gmacs_ratio"] - 1e-12
     assert {"device", "threads", "gmacs_dense"} <= set(res) and res["inputs"] == str(tiny_data)
-    printed = capsys.readouterr().out
-    assert "time ratio" in printed
-    assert res["allocator"] == allocator() and f"torch {torch.__version__}, {allocator()}" in printed  # on the CPU
+    printed = capsys.readouterr()
+    assert "time ratio" in printed.out
+    assert res["allocator"] == allocator() and f"torch {torch.__version__}, {allocator()}" in printed.out  # CPU
+    assert ("MALLOC_MMAP_THRESHOLD_=4294967296" in printed.err) == (allocator() == "glibc malloc (defaults)")
 
 
 def test_bench_on_random_inputs_says_so_for_learned_thresholds(tiny_model, tmp_path, capsys):

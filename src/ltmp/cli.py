@@ -204,6 +204,10 @@ def cmd_bench(args) -> int:
         warmup=args.warmup, reps=args.reps, rounds=args.rounds)}
     if args.compile:
         print("ltmp: both models were compiled with torch.compile during the warm-up forwards", file=sys.stderr)
+    if result["allocator"] == "glibc malloc (defaults)":
+        print("ltmp: note: glibc malloc's defaults give large tensors fresh pages on every forward, which slows the "
+              "dense model most; for serving-like CPU timings set MALLOC_MMAP_THRESHOLD_=4294967296 "
+              "MALLOC_TRIM_THRESHOLD_=68719476736 (docs/performance.md, Memory allocator)", file=sys.stderr)
     for run in result["runs"]:
         if "exported_ms" in run:
             print(f"batch 1: exported {args.exported} {run['exported_ms']:.2f} ms, time ratio "
