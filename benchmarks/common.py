@@ -16,6 +16,7 @@ images of the speed studies, and the one training-free calibration recipe they u
 from __future__ import annotations
 
 import copy
+import platform
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch
 
 import ltmp
 from ltmp import data as ldata
+from ltmp.bench import allocator
 from ltmp.calibrate import calibrate
 from ltmp.cli import main as ltmp_main
 from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
@@ -34,6 +36,13 @@ SHARED = ROOT.parent / "shared"
 SHARED_MODEL = SHARED / "models" / "vit-cifar10"
 MODEL = f"local-dir:{SHARED_MODEL}"
 DATA = str(SHARED / "data/cifar10/cifar10-jpeg.tar.gz")
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's architecture, threads and heap allocator (which change CPU timings)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.machine()} CPU ({torch.get_num_threads()} threads, {allocator()})"
 
 
 def run(args: list[str]) -> None:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import sys
 import time
@@ -49,9 +48,9 @@ import timm
 import torch
 
 import ltmp
-from common import ROOT, at_gmacs, calibrated, cifar_model_name, load_images, load_model
+from common import ROOT, at_gmacs, calibrated, cifar_model_name, device_name, load_images, load_model
 from ltmp.adapters.timm import forward_cut
-from ltmp.bench import _sync, allocator, compare_models, paired_ratio
+from ltmp.bench import _sync, compare_models, paired_ratio
 from ltmp.runtime import compile_model, pick_device
 from ltmp.thresholds import set_thresholds, threshold_tensors
 
@@ -294,8 +293,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.machine()} CPU ({torch.get_num_threads()} threads, {allocator()})"
+    name = device_name(device)
     result = {"command": "python benchmarks/speed.py " + " ".join(sys.argv[1:]), "singles": args.singles,
               "env": {"device": str(device), "device_name": name, "threads": torch.get_num_threads(),
                       "torch": torch.__version__, "timm": timm.__version__,

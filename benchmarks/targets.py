@@ -28,8 +28,8 @@ import timm
 import torch
 
 import ltmp
-from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs, reference_tome
-from ltmp.bench import allocator, compare_models, paired_ratio
+from common import at_gmacs, calibrated, device_name, load_images, load_model, mean_gmacs, reference_tome
+from ltmp.bench import compare_models, paired_ratio
 from ltmp.runtime import compile_model, pick_device
 from ltmp.thresholds import atomic_write
 
@@ -98,8 +98,7 @@ def main() -> int:
         args.models, args.settings, args.warmup, args.reps, args.rounds = "cifar", "fp32:8", 1, 1, 1
     device = pick_device(args.device)
     start = time.monotonic()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"CPU ({torch.get_num_threads()} threads, {allocator()})"
+    name = device_name(device)
     out = {"command": "python benchmarks/targets.py " + " ".join(sys.argv[1:]),
            "env": {"device_name": name, "torch": torch.__version__, "timm": timm.__version__}, "rows": []}
     print(f"{name}, torch {torch.__version__}, timm {timm.__version__}")

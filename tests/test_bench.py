@@ -64,4 +64,3 @@ def test_allocator_names_glibc_malloc_settings(plain_env):
     plain_env.setenv("MALLOC_MMAP_THRESHOLD_", "4294967296")
     plain_env.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1:glibc.pthread.rseq=0")
     assert allocator() == "glibc malloc (MALLOC_MMAP_THRESHOLD_=4294967296, glibc.malloc.trim_threshold=1)"
-

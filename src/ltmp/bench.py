@@ -18,6 +18,10 @@ from .runtime import compile_model
 
 #: glibc's malloc settings (environment variables read at process start) that change how large tensors are served
 GLIBC_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+#: what :func:`allocator` says for glibc malloc without any of those settings
+GLIBC_DEFAULTS = "glibc malloc (defaults)"
+#: settings under which glibc keeps its freed memory for reuse instead of mapping fresh pages (docs/performance.md)
+GLIBC_KEEP_MEMORY = "MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=68719476736"
 
 
 def allocator() -> str:
@@ -36,7 +40,7 @@ def allocator() -> str:
     tuned = [f"{k}={os.environ[k]}" for k in GLIBC_MALLOC_ENV if k in os.environ]
     tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.")]
     settings = tuned + tunables
-    return f"glibc malloc ({', '.join(settings)})" if settings else "glibc malloc (defaults)"
+    return f"glibc malloc ({', '.join(settings)})" if settings else GLIBC_DEFAULTS
 
 
 def _sync(device: torch.device) -> None:

@@ -177,7 +177,7 @@ def cmd_bench(args) -> int:
     import torch
 
     from . import data as ldata
-    from .bench import bench_models
+    from .bench import GLIBC_DEFAULTS, GLIBC_KEEP_MEMORY, bench_models
     from .runtime import create_model, pick_device
 
     device = pick_device(args.device)
@@ -204,10 +204,10 @@ def cmd_bench(args) -> int:
         warmup=args.warmup, reps=args.reps, rounds=args.rounds)}
     if args.compile:
         print("ltmp: both models were compiled with torch.compile during the warm-up forwards", file=sys.stderr)
-    if result["allocator"] == "glibc malloc (defaults)":
+    if result["allocator"] == GLIBC_DEFAULTS:
         print("ltmp: note: glibc malloc's defaults give large tensors fresh pages on every forward, which slows the "
-              "dense model most; for serving-like CPU timings set MALLOC_MMAP_THRESHOLD_=4294967296 "
-              "MALLOC_TRIM_THRESHOLD_=68719476736 (docs/performance.md, Memory allocator)", file=sys.stderr)
+              f"dense model most; for serving-like CPU timings set {GLIBC_KEEP_MEMORY} (docs/performance.md, "
+              "Memory allocator)", file=sys.stderr)
     for run in result["runs"]:
         if "exported_ms" in run:
             print(f"batch 1: exported {args.exported} {run['exported_ms']:.2f} ms, time ratio "
