@@ -62,13 +62,17 @@ class TimmAdapter(Adapter):
         return model.blocks
 
     def view(self, model: nn.Module, blk: nn.Module) -> BlockView:
-        attn = blk.attn
+        attn, mlp = blk.attn, blk.mlp
         gate = None if getattr(attn, "gate", None) is None else (lambda y: attn.gate(y).sigmoid())
+        # dropout in eval is the identity: not called (each call costs host time, and on a GPU it is all host time)
+        proj_drop = attn.proj_drop if attn.proj_drop.training else identity
+        if type(mlp).forward is _mlp_forward() and not (mlp.drop1.training or mlp.drop2.training):
+            mlp = lambda t: blk.mlp.fc2(blk.mlp.norm(blk.mlp.act(blk.mlp.fc1(t))))  # noqa: E731 timm's Mlp
         return BlockView(
             norm1=blk.norm1, qkv=attn.qkv, heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
             attn_drop=attn.attn_drop.p, training=attn.training,
-            out=lambda t: blk.drop_path1(blk.ls1(attn.proj_drop(attn.proj(t)))),
-            mlp=lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))),
+            out=lambda t: blk.drop_path1(blk.ls1(proj_drop(attn.proj(t)))),
+            mlp=lambda t: blk.drop_path2(blk.ls2(mlp(blk.norm2(t)))),
             q_norm=attn.q_norm, k_norm=attn.k_norm, head_norm=getattr(attn, "norm", None) or identity, gate=gate,
             fused=bool(attn.fused_attn))
 
@@ -136,6 +140,13 @@ class TimmAdapter(Adapter):
             return _features(model, x)[0]
 
         return {"forward_features": forward_features}
+
+
+def _mlp_forward():
+    """timm's plain ``Mlp.forward``: fc1, act, drop1, norm, fc2, drop2."""
+    from timm.layers import Mlp
+
+    return Mlp.forward
 
 
 def _embed(model: nn.Module, x: Tensor) -> Tensor:
