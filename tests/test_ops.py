@@ -410,3 +410,4 @@ def test_kept_constants_are_real_tensors_made_outside_tensor_modes():
         ops.positions(5, torch.device("cpu"))
     got = ops.positions(5, torch.device("cpu"))
     assert type(got) is torch.Tensor and torch.equal(got, torch.arange(5))
+

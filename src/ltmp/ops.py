@@ -68,8 +68,9 @@ def _cached(key: tuple, make) -> Tensor:
 
 
 def reshaped(t: Tensor, *shape: int) -> Tensor:
-    """``t.reshape(*shape)``, as a view in one operator call where ``t`` is contiguous (``reshape`` makes 2)."""
-    return t.view(*shape) if t.is_contiguous() else t.reshape(*shape)
+    """``t.reshape(*shape)``, as a view in one operator call where ``t`` is contiguous (``reshape`` makes 2). While
+    tracing, ``reshape`` itself: asking whether a tensor of data-dependent size is contiguous would guard on it."""
+    return t.view(*shape) if not tracing() and t.is_contiguous() else t.reshape(*shape)
 
 
 def flat_rows(t: Tensor) -> Tensor:
@@ -118,9 +119,25 @@ class PackedRows:
         return out.scatter_add_(0, self.index(rows.shape[1]), rows)  # (total, K); 0 + row is the row
 
 
-def positions(n: int, device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
-    """``torch.arange(n)`` on ``device``, made once: every block reuses it (an arange is 4 calls)."""
+def positions(n: int, device: torch.device, dtype: torch.dtype = torch.long, batch: int | None = None) -> Tensor:
+    """``torch.arange(n)`` on ``device``, made once: every block reuses it (an arange is 4 calls); with ``batch``
+    a contiguous (batch, n) copy of it in every row."""
+    if batch is not None:
+        return _cached(("arange", n, device, dtype, batch),
+                       lambda: positions(n, device, dtype).expand(batch, n).contiguous())
     return _cached(("arange", n, device, dtype), lambda: torch.arange(n, device=device, dtype=dtype))
+
+
+def ones(b: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A (b, n) tensor of ones, made once: the keep mask and sizes of tokens nothing has touched. Never written
+    to (every step makes new masks and sizes)."""
+    return _cached(("ones", b, n, dtype, device), lambda: torch.ones(b, n, dtype=dtype, device=device))
+
+
+def row_offsets(b: int, n: int, device: torch.device) -> Tensor:
+    """(b, 1): ``n`` times each image's index, made once; added to per-image indices (b, ...) of n rows it gives
+    row indices into the flattened (b * n, ...) batch."""
+    return _cached(("offsets", b, n, device), lambda: (positions(b, device) * n).view(b, 1))
 
 
 def scalar(value: float, like: Tensor) -> Tensor:
@@ -655,7 +672,7 @@ def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Te
             return (out.scatter_add_(1, target, t) if add else out.scatter_(1, target, t))[:, :n_new]
         # token rows: index_add_ / index_copy_ of whole rows (2-3x faster than a scatter along dim 1 on the CPU)
         if rows is None:
-            rows = (target + (positions(B, target.device) * (n_new + 1)).view(B, 1)).view(-1)
+            rows = (target + row_offsets(B, n_new + 1, target.device)).view(-1)
         flat = flat_rows(t)  # (B * N, K)
         out = torch.zeros(B * (n_new + 1), flat.shape[1], dtype=t.dtype, device=t.device)  # (B * (n_new + 1), K)
         out = out.index_add_(0, rows, flat) if add else out.index_copy_(0, rows, flat)

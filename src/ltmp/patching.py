@@ -383,7 +383,7 @@ def _attention(view: BlockView, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | 
         bias = ops.key_bias(keep, ls, q.dtype)  # (B, N) or None
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.view(B, 1, 1, N),
                                            dropout_p=drop, scale=view.scale)
-    return o.transpose(1, 2).reshape(B, N, H * D), importance  # (B, N, H * D), (B, N) or None
+    return ops.reshaped(o.transpose(1, 2), B, N, H * D), importance  # (B, N, H * D), (B, N) or None
 
 
 def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceConfig, buckets) -> tuple:
@@ -467,7 +467,7 @@ def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceC
     else:
         rows = _packed_index(state, cfg)
         qkv = _tokenwise(lambda t: view.qkv(view.norm1(t)), x, rows)  # (B, N, 3 * H * D)
-    qkv = qkv.reshape(B, N, 3, view.heads, view.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
+    qkv = ops.reshaped(qkv, B, N, 3, view.heads, view.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
     if cfg.needs_importance:  # explicit attention (or the lse pass): one copy of q, k and v, not one each
         qkv = qkv.contiguous()
     q, k, v = qkv.unbind(0)  # (B, H, N, D) each

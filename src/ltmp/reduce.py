@@ -588,31 +588,18 @@ def _reduce_single(
                          merged_once=merged_once), result
 
 
-def _split(scores: Tensor, k: int, largest: bool, offset: int, step: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The ``k`` highest (lowest) of each row of ``scores`` (B, M), ties to the earlier row, at token positions
-    ``offset + step * row`` of ``n``: the kept positions (B, n - k), and the chosen rows and their positions
-    (B, k), each in ascending order. The selection is a stable sort (exports: a top-k, as ONNX has no stable sort);
-    each order one top-k on values that never tie (fewer nested operator calls than a sort)."""
-    B = scores.shape[0]
-    if is_exporting():
-        rows = scores.topk(k, dim=1, largest=largest).indices  # (B, k)
-    else:
-        rows = scores.sort(dim=1, descending=largest, stable=True).indices[:, :k]  # (B, k)
-    rows = rows.topk(k, dim=1, largest=False).values  # (B, k) ascending
-    pos = offset + step * rows  # (B, k)
-    key = ops.positions(n, scores.device).expand(B, n).scatter(1, pos, value=n)  # (B, n) position, n if chosen
-    return key.topk(n - k, dim=1, largest=False).indices, rows, pos  # (B, n - k) kept positions in order
-
-
 def _survivors(scores: Tensor, k: int, offset: int) -> Tensor:
     """Positions (B, n - k) that survive pruning the ``k`` lowest ``scores`` (B, n) of the tokens at ``offset ..``,
-    ties to the earlier position, in order (the ``offset`` prefix positions first). The chosen set of
-    :func:`_split` (its stable sort), with the survivors ordered by one top-k instead of a scatter and a sort over
-    all positions. Overwrites the prefix scores with +inf: the fixed-rate step passes the block's importance (or
-    its float32 copy), which nothing reads after pruning. NaN scores sort after the prefix (NaN importance only
+    ties to the earlier position, in order (the ``offset`` prefix positions first): a stable sort, with the
+    survivors ordered by one top-k instead of a scatter and a sort over all positions. Overwrites the prefix
+    scores with +inf: the fixed-rate step passes the block's importance (or its float32 copy), which nothing reads
+    after pruning. NaN scores sort after the prefix (NaN importance only
     comes with NaN outputs)."""
-    if is_exporting():  # ONNX has no stable sort: _split's top-k form
-        return _split(scores[:, offset:], k, largest=False, offset=offset, step=1, n=scores.shape[1])[0]
+    if is_exporting():  # ONNX has no stable sort: the k lowest by a top-k, then the others in order
+        B, n = scores.shape
+        low = scores[:, offset:].topk(k, dim=1, largest=False).indices + offset  # (B, k) pruned positions
+        key = ops.positions(n, scores.device).expand(B, n).scatter(1, low, value=n)  # (B, n) position, n if pruned
+        return key.topk(n - k, dim=1, largest=False).indices  # (B, n - k) surviving positions in order
     scores[:, :offset] = math.inf  # the prefix survives
     rest = scores.sort(dim=1, stable=True).indices[:, k:]  # (B, n - k) surviving positions
     return rest.topk(rest.shape[1], dim=1, largest=False).values  # (B, n - k) in order (distinct: no ties; a
@@ -639,9 +626,10 @@ def _reduce_fixed(
 
     The same decisions as the masked step (the tests compare them): set A is the even positions past the prefix,
     set B the odd ones (ToMe's split), the ``k = min(rate, |A|, |B|)`` best-matched A tokens merge into their B
-    targets as size-weighted averages (added in position order, as :func:`ltmp.ops.merge_tokens` does), a merged
-    token's importance is its group's max, pruning removes the ``rate`` least important patch tokens (ties to the
-    earlier position; one spared with ``keep_one``), and survivors keep their order.
+    targets as size-weighted averages (merging and the removal of the merged tokens are one pass of whole rows,
+    :func:`_sum_into_slots`), a merged token's importance is its group's max, pruning removes the ``rate`` least
+    important patch tokens (ties to the earlier position; one spared with ``keep_one``), and survivors keep their
+    order.
     """
     B, N, _ = x.shape
     P = cfg.num_prefix
@@ -657,10 +645,11 @@ def _reduce_fixed(
             if P > 1:
                 sim[..., :P // 2] = float("-inf")  # B columns inside the prefix
             best, j = ops.row_max(sim)  # (B, Na), (B, Na)
-            keep, rows, src = _split(best, k, largest=True, offset=2 * a0, step=2, n=N)  # (B, N - k), (B, k) x 2
-            dst = 2 * j.gather(1, rows) + 1  # (B, k) the B position each merged A token joins
-            x, size, source, importance = _merge_rows(x, size, source, importance, src, dst)
-            x, size, source, importance = _gather(keep, x, size, source, importance)
+            rows = _top_rows(best, k)  # (B, k) the A rows merged away, ascending
+            src = 2 * rows + 2 * a0  # (B, k) their positions
+            dst = 2 * j.gather(1, rows) + 1  # (B, k) the B position each joins
+            x, size, source, importance = _sum_into_slots(_merge_slots(src, dst, N), N - k, x, size, source,
+                                                          importance, state.merged_once)
             N, n_merged = N - k, k
             state = dataclasses.replace(state, merged_once=True)
         else:
@@ -676,7 +665,59 @@ def _reduce_fixed(
             N, n_pruned = N - k, k
     n_kept = N - P
     result = StepResult(merged=n_merged, pruned=n_pruned, kept=n_kept, kept_frac=n_kept)
-    return x, dataclasses.replace(state, size=size, keep=state.keep[:, :N], source=source, counts=[N] * B), result
+    keep = ops.ones(B, N, state.keep.dtype, x.device)  # (B, N) every token real
+    return x, dataclasses.replace(state, size=size, keep=keep, source=source, counts=[N] * B), result
+
+
+def _top_rows(scores: Tensor, k: int) -> Tensor:
+    """The rows (B, k) of the ``k`` highest ``scores`` (B, M) of each image, ties to the earlier row, in ascending
+    order. The selection is a stable sort (exports: a top-k, as ONNX has no stable sort); the order one top-k on
+    values that never tie (fewer operator calls than a sort)."""
+    if is_exporting():
+        rows = scores.topk(k, dim=1).indices  # (B, k)
+    else:
+        rows = scores.sort(dim=1, descending=True, stable=True).indices[:, :k]  # (B, k)
+    return rows.topk(k, dim=1, largest=False).values  # (B, k) ascending
+
+
+def _merge_slots(src: Tensor, dst: Tensor, n: int) -> Tensor:
+    """Where each of ``n`` tokens goes when the tokens at the ascending positions ``src`` (B, k) merge into those
+    at ``dst`` (B, k): its rank among the ``n - k`` tokens that stay (their order is kept), or for a merged token
+    its target's rank. (B, n)."""
+    B = src.shape[0]
+    if is_exporting():  # merged tokens before each position: a cumulative sum (exporters know no searchsorted)
+        before = torch.zeros(B, n, dtype=src.dtype, device=src.device).scatter_(1, src, 1).cumsum(1)  # (B, n)
+    else:
+        before = torch.searchsorted(src, ops.positions(n, src.device, batch=B))  # (B, n)
+    slot = ops.positions(n, src.device) - before  # (B, n) rank among the tokens that stay
+    return slot.scatter_(1, src, slot.gather(1, dst))  # (B, n)
+
+
+def _sum_into_slots(slot: Tensor, n: int, x: Tensor, size: Tensor, source: Tensor | None,
+                    importance: Tensor | None, weighted: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """The tokens x (B, N, C) summed into their ``slot`` (B, N) of ``n``: each slot's size-weighted average of
+    its tokens, added in position order (eq. 7 as :func:`ltmp.ops.merge_tokens`; a token that receives nothing is
+    x * s / s, equal to x up to rounding); sizes (B, N) and source rows (B, N, N0) add up and importance (B, N)
+    takes the group's max. ``weighted``: some size may differ from 1 (else x needs no weights). Rows move with
+    ``index_add_`` on the flattened batch (2x faster than a gather or scatter along dim 1 on the CPU)."""
+    B, N, C = x.shape
+    dt = ops.promote(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
+    s = ops.cast(size, dt)  # (B, N)
+    rows = (slot + ops.row_offsets(B, n, slot.device)).view(-1)  # (B * N,) slots as rows of (B * n, ...)
+    xw = ops.cast(x, dt)  # (B, N, C)
+    if weighted:
+        xw = xw * s.view(B, N, 1)  # (B, N, C)
+    num = torch.zeros(B * n, C, dtype=dt, device=x.device).index_add_(0, rows, ops.flat_rows(xw))  # (B * n, C)
+    den = torch.zeros(B, n, dtype=dt, device=x.device).scatter_add_(1, slot, s)  # (B, n) sizes add up
+    x = ops.cast(num.view(B, n, C).div_(den.view(B, n, 1)), x.dtype)  # (B, n, C)
+    if source is not None:
+        K = source.shape[2]
+        source = torch.zeros(B * n, K, dtype=source.dtype, device=x.device).index_add_(
+            0, rows, ops.flat_rows(source)).view(B, n, K)  # (B, n, N0)
+    if importance is not None:  # >= 0: attention weights
+        importance = torch.zeros(B, n, dtype=importance.dtype, device=x.device).scatter_reduce_(
+            1, slot, importance, "amax")  # (B, n)
+    return x, ops.cast(den, size.dtype), source, importance
 
 
 def _merge_rows(x: Tensor, size: Tensor, source: Tensor | None, importance: Tensor | None, src: Tensor,
@@ -684,7 +725,7 @@ def _merge_rows(x: Tensor, size: Tensor, source: Tensor | None, importance: Tens
     """:func:`ltmp.ops.merge_tokens` on index lists: in each image the token at ``src[:, i]`` merges into the one
     at ``dst[:, i]`` (B, k), as a size-weighted average added in the order of ``src``; sizes and source rows add
     up and a merged token's importance is its group's max. Tokens that receive nothing are returned bit-identical;
-    none is removed. The fixed-rate step and the single-image step (B = 1) both merge here.
+    none is removed. The single-image step (B = 1) merges here.
     """
     B, N, C = x.shape
     dt = ops.promote(x.dtype, size.dtype)
@@ -722,11 +763,11 @@ def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: b
 def initial_state(x: Tensor, num_prefix: int, compact: bool, trace_source: bool) -> TokenState:
     """The token state entering the first block: every token kept, all of size 1."""
     B, N, _ = x.shape
-    size = x.new_ones(B, N, dtype=torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype)
+    ones = ops.ones(B, N, ops.wide(x.dtype), x.device)  # (B, N) never written to
     source = None
     if trace_source:
-        source = torch.eye(N, device=x.device, dtype=size.dtype).expand(B, N, N).clone()  # (B, N, N0)
-    return TokenState(size=size, keep=x.new_ones(B, N, dtype=size.dtype), compact=compact, source=source)
+        source = torch.eye(N, device=x.device, dtype=ones.dtype).expand(B, N, N).clone()  # (B, N, N0)
+    return TokenState(size=ones, keep=ones, compact=compact, source=source)
 
 
 def log_size(state: TokenState) -> Tensor | None:
