@@ -3,7 +3,8 @@
 Prints the operators by self CPU time, the number of aten operator calls and of host synchronisations
 (``ltmp.runtime.HostSyncs``) per forward, for the dense model and for LTMP with thresholds calibrated to
 ``--target`` (as in benchmarks/speed.py), or a fixed-rate ``--method`` at LTMP's GMACs. ``--summary`` prints one
-line per model instead of the operator tables.
+line per model instead of the operator tables; ``--per-block`` adds the aten calls inside each block and outside
+the blocks.
 
     python benchmarks/profile_step.py --model cifar --target 0.7
     python benchmarks/profile_step.py --model deit-s --batch-size 32
@@ -19,12 +20,15 @@ above its kernel time is bound by launching operators, not by the GPU.
 from __future__ import annotations
 
 import argparse
+import bisect
+import contextlib
+import math
 import statistics
 import time
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs, reference_tome
@@ -42,6 +46,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--device", default="cpu")
     p.add_argument("--summary", action="store_true", help="no operator tables")
+    p.add_argument("--per-block", action="store_true", help="also the aten calls of each block and outside them")
     p.add_argument("--lse", action="store_true", help="importance from a fused kernel's log-sum-exp "
                                                        "(Execution.importance_from_lse)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
@@ -92,7 +97,7 @@ def main() -> None:
                 for b in batches:
                     m(b)
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            with profile(activities=acts) as prof:
+            with profile(activities=acts) as prof, marked_blocks(m, args.per_block):
                 for b in batches:
                     m(b)
         events = prof.key_averages()
@@ -108,9 +113,66 @@ def main() -> None:
               f"{total / 1e3 / args.forwards:.2f} ms self CPU, "
               f"{calls / args.forwards:.0f} aten operator calls and {syncs.count / args.forwards:g} host "
               f"synchronisations per forward" + (f" ({syncs.calls})" if syncs.calls else ""))
+        if args.per_block:
+            per_block, outside = block_calls(prof, args.forwards)
+            print(f"   aten calls per block: {per_block}; outside the blocks: {outside:g}")
         if not args.summary:
             print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                row_limit=args.rows))
+
+
+BLOCK = "profile_step.block"
+
+
+@contextlib.contextmanager
+def marked_blocks(model, on: bool):
+    """Each transformer block's forward inside a ``record_function`` range (a patched model runs its blocks
+    through ``ltmp.patching._block``, a timm model or the reference ToMe through the block modules)."""
+    if not on:
+        yield
+        return
+    import ltmp.patching
+
+    def marked(fn):
+        def run(*args, **kwargs):
+            with record_function(BLOCK):
+                return fn(*args, **kwargs)
+        return run
+
+    patched = hasattr(model, "ltmp_config")
+    block_fn = ltmp.patching._block
+    if patched:
+        ltmp.patching._block = marked(block_fn)
+    else:
+        for blk in model.blocks:
+            blk.forward = marked(blk.forward)
+    try:
+        yield
+    finally:
+        if patched:
+            ltmp.patching._block = block_fn
+        else:
+            for blk in model.blocks:
+                del blk.forward
+
+
+def block_calls(prof, forwards: int) -> tuple[list[float], float]:
+    """aten calls inside each block's range (per forward, in block order) and outside every block."""
+    events = prof.events()
+    ranges = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == BLOCK)
+    calls = [0] * len(ranges)
+    outside = 0
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        i = bisect.bisect_right(ranges, (e.time_range.start, math.inf)) - 1
+        if i >= 0 and e.time_range.end <= ranges[i][1]:
+            calls[i] += 1
+        else:
+            outside += 1
+    depth = len(ranges) // forwards
+    per_block = [sum(calls[f * depth + i] for f in range(forwards)) / forwards for i in range(depth)]
+    return [round(c, 1) for c in per_block], outside / forwards
 
 
 if __name__ == "__main__":
