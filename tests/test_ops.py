@@ -411,3 +411,16 @@ def test_kept_constants_are_real_tensors_made_outside_tensor_modes():
     got = ops.positions(5, torch.device("cpu"))
     assert type(got) is torch.Tensor and torch.equal(got, torch.arange(5))
 
+
+def test_kept_constants_drop_the_least_recently_used(monkeypatch):
+    monkeypatch.setattr(ops, "MAX_CONSTANTS", 3)
+    ops._CONSTANTS.clear()
+    cpu = torch.device("cpu")
+    first = ops.positions(1, cpu)
+    ops.positions(2, cpu)
+    ops.positions(3, cpu)
+    assert ops.positions(1, cpu) is first  # used again: now the most recent
+    ops.positions(4, cpu)  # drops 2, the least recently used
+    assert len(ops._CONSTANTS) == 3 and ops.positions(1, cpu) is first
+    assert ("arange", 2, cpu, torch.long) not in ops._CONSTANTS
+    ops._CONSTANTS.clear()

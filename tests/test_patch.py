@@ -491,3 +491,13 @@ def test_eval_operator_calls_stay_within_budget(method, options, ratio):
     assert max(ltmp.stats(model).padded[1:]) < 65  # tokens were really removed
     assert calls <= ratio * base, (calls, base, calls / base)
 
+
+
+def test_hooks_on_a_blocks_mlp_run_in_eval():
+    """In eval a block calls the parts of timm's Mlp itself (not its dropout); a hooked Mlp is called whole."""
+    model = patched("cls", "tome", dict(r=6)).eval()
+    seen = []
+    model.blocks[1].mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with torch.no_grad():
+        model(images(2))
+    assert len(seen) == 1 and seen[0][0] == 2

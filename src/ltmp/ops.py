@@ -13,6 +13,7 @@ Nothing here knows about timm.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -45,7 +46,11 @@ def tracing() -> bool:
     return fn is not None and bool(fn())
 
 
-_CONSTANTS: dict[tuple, Tensor] = {}
+#: small constants kept for reuse, least recently used first; some are per batch size and token count, so at most
+#: MAX_CONSTANTS are kept (a server that sees many batch sizes would otherwise keep one set per size forever)
+_CONSTANTS: collections.OrderedDict[tuple, Tensor] = collections.OrderedDict()
+_IN_GRAPHS: set[tuple] = set()  # constants a CUDA graph captured: never dropped (the graph reads their memory)
+MAX_CONSTANTS = 512
 
 
 def _dispatch_mode():
@@ -53,17 +58,30 @@ def _dispatch_mode():
     return getattr(_python_dispatch, "_get_current_dispatch_mode", lambda: None)()
 
 
+def _capturing(t: Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _cached(key: tuple, make) -> Tensor:
     """A small constant tensor kept for reuse, made outside inference mode (so autograd may save it) and never
     written to. A fresh one, not kept, while torch.compile, torch.export or torch.jit traces, under a fake or other
-    tensor mode, and while a CUDA graph is captured (none of those tensors may outlive it)."""
+    tensor mode, and while a CUDA graph is captured (none of those tensors may outlive it). Beyond
+    ``MAX_CONSTANTS`` the least recently used is dropped, unless a CUDA graph captured it."""
     fresh = tracing() or torch.jit.is_tracing() or _dispatch_mode() is not None
     t = None if fresh else _CONSTANTS.get(key)
-    if t is None:
-        with torch.inference_mode(False):
-            t = make()
-        if not fresh and type(t) is torch.Tensor and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _CONSTANTS[key] = t
+    if t is not None:
+        _CONSTANTS.move_to_end(key)
+        if _capturing(t):
+            _IN_GRAPHS.add(key)
+        return t
+    with torch.inference_mode(False):
+        t = make()
+    if not fresh and type(t) is torch.Tensor and not _capturing(t):
+        _CONSTANTS[key] = t
+        if len(_CONSTANTS) > MAX_CONSTANTS:
+            old = next((k for k in _CONSTANTS if k not in _IN_GRAPHS), None)
+            if old is not None:
+                del _CONSTANTS[old]
     return t
 
 

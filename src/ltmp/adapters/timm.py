@@ -66,7 +66,8 @@ class TimmAdapter(Adapter):
         gate = None if getattr(attn, "gate", None) is None else (lambda y: attn.gate(y).sigmoid())
         # dropout in eval is the identity: not called (each call costs host time, and on a GPU it is all host time)
         proj_drop = attn.proj_drop if attn.proj_drop.training else identity
-        if type(mlp).forward is _mlp_forward() and not (mlp.drop1.training or mlp.drop2.training):
+        if type(mlp).forward is _mlp_forward() and not (mlp.drop1.training or mlp.drop2.training
+                                                         or _has_forward_hooks(mlp)):
             mlp = lambda t: blk.mlp.fc2(blk.mlp.norm(blk.mlp.act(blk.mlp.fc1(t))))  # noqa: E731 timm's Mlp
         return BlockView(
             norm1=blk.norm1, qkv=attn.qkv, heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
@@ -147,6 +148,14 @@ def _mlp_forward():
     from timm.layers import Mlp
 
     return Mlp.forward
+
+
+def _has_forward_hooks(module: nn.Module) -> bool:
+    """Forward hooks on the module or on every module (calling its parts instead would skip them)."""
+    from torch.nn.modules import module as m
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or m._global_forward_hooks
+                or m._global_forward_pre_hooks)
 
 
 def _embed(model: nn.Module, x: Tensor) -> Tensor:
