@@ -1,6 +1,7 @@
 """Where does a reduced forward spend its time? torch.profiler over batch-1 (or batch-N) eval forwards.
 
-Prints the operators by self CPU time, the number of aten operator calls and of host synchronisations
+Prints the operators by self CPU time, the number of aten operator calls (all, and those not nested in another
+aten call: the ones made from Python, each with its own dispatch) and of host synchronisations
 (``ltmp.runtime.HostSyncs``) per forward, for the dense model and for LTMP with thresholds calibrated to
 ``--target`` (as in benchmarks/speed.py), or a fixed-rate ``--method`` at LTMP's GMACs. ``--summary`` prints one
 line per model instead of the operator tables; ``--per-block`` adds the aten calls inside each block and outside
@@ -102,6 +103,8 @@ def main() -> None:
                     m(b)
         events = prof.key_averages()
         calls = sum(e.count for e in events if e.key.startswith("aten::"))  # not kernels, not CUDA runtime calls
+        outer = sum(1 for e in prof.events() if e.name.startswith("aten::") and not (
+            e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))  # made from Python, not nested
         total = sum(e.self_cpu_time_total for e in events)
         kernels = ""
         if cuda:
@@ -111,7 +114,8 @@ def main() -> None:
             kernels = f", {dev_us / 1e3 / args.forwards:.2f} ms of GPU kernels"
         print(f"\n== {name}: {1000 * wall:.2f} ms wall per forward (unprofiled){kernels}, "
               f"{total / 1e3 / args.forwards:.2f} ms self CPU, "
-              f"{calls / args.forwards:.0f} aten operator calls and {syncs.count / args.forwards:g} host "
+              f"{calls / args.forwards:.0f} aten operator calls ({outer / args.forwards:.0f} not nested in another) "
+              f"and {syncs.count / args.forwards:g} host "
               f"synchronisations per forward" + (f" ({syncs.calls})" if syncs.calls else ""))
         if args.per_block:
             per_block, outside = block_calls(prof, args.forwards)
