@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,7 @@ def tracing() -> bool:
 _CONSTANTS: collections.OrderedDict[tuple, Tensor] = collections.OrderedDict()
 _IN_GRAPHS: set[tuple] = set()  # constants a CUDA graph captured: never dropped (the graph reads their memory)
 MAX_CONSTANTS = 512
+_LOCK = threading.Lock()
 
 
 def _dispatch_mode():
@@ -68,20 +70,23 @@ def _cached(key: tuple, make) -> Tensor:
     tensor mode, and while a CUDA graph is captured (none of those tensors may outlive it). Beyond
     ``MAX_CONSTANTS`` the least recently used is dropped, unless a CUDA graph captured it."""
     fresh = tracing() or torch.jit.is_tracing() or _dispatch_mode() is not None
-    t = None if fresh else _CONSTANTS.get(key)
-    if t is not None:
-        _CONSTANTS.move_to_end(key)
-        if _capturing(t):
-            _IN_GRAPHS.add(key)
-        return t
+    if not fresh:
+        with _LOCK:  # forwards in several threads share the constants
+            t = _CONSTANTS.get(key)
+            if t is not None:
+                _CONSTANTS.move_to_end(key)
+                if _capturing(t):
+                    _IN_GRAPHS.add(key)
+                return t
     with torch.inference_mode(False):
         t = make()
     if not fresh and type(t) is torch.Tensor and not _capturing(t):
-        _CONSTANTS[key] = t
-        if len(_CONSTANTS) > MAX_CONSTANTS:
-            old = next((k for k in _CONSTANTS if k not in _IN_GRAPHS), None)
-            if old is not None:
-                del _CONSTANTS[old]
+        with _LOCK:
+            _CONSTANTS[key] = t
+            if len(_CONSTANTS) > MAX_CONSTANTS:
+                old = next((k for k in _CONSTANTS if k not in _IN_GRAPHS), None)
+                if old is not None:
+                    del _CONSTANTS[old]
     return t
 
 
