@@ -593,8 +593,7 @@ def _survivors(scores: Tensor, k: int, offset: int) -> Tensor:
     ties to the earlier position, in order (the ``offset`` prefix positions first): a stable sort, with the
     survivors ordered by one top-k instead of a scatter and a sort over all positions. Overwrites the prefix
     scores with +inf: the fixed-rate step passes the block's importance (or its float32 copy), which nothing reads
-    after pruning. NaN scores sort after the prefix (NaN importance only
-    comes with NaN outputs)."""
+    after pruning. NaN scores sort after the prefix (NaN importance only comes with NaN outputs)."""
     if is_exporting():  # ONNX has no stable sort: the k lowest by a top-k, then the others in order
         B, n = scores.shape
         low = scores[:, offset:].topk(k, dim=1, largest=False).indices + offset  # (B, k) pruned positions
@@ -698,22 +697,20 @@ def _sum_into_slots(slot: Tensor, n: int, x: Tensor, size: Tensor, source: Tenso
     """The tokens x (B, N, C) summed into their ``slot`` (B, N) of ``n``: each slot's size-weighted average of
     its tokens, added in position order (eq. 7 as :func:`ltmp.ops.merge_tokens`; a token that receives nothing is
     x * s / s, equal to x up to rounding); sizes (B, N) and source rows (B, N, N0) add up and importance (B, N)
-    takes the group's max. ``weighted``: some size may differ from 1 (else x needs no weights). Rows move with
-    ``index_add_`` on the flattened batch (2x faster than a gather or scatter along dim 1 on the CPU)."""
+    takes the group's max. ``weighted``: some size may differ from 1 (else x needs no weights). The sums are
+    :func:`ltmp.ops.into_slots`, as the compact step's."""
     B, N, C = x.shape
     dt = ops.promote(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
     s = ops.cast(size, dt)  # (B, N)
-    rows = (slot + ops.row_offsets(B, n, slot.device)).view(-1)  # (B * N,) slots as rows of (B * n, ...)
+    rows = ops.slot_rows(slot, n)  # (B * N,)
     xw = ops.cast(x, dt)  # (B, N, C)
     if weighted:
         xw = xw * s.view(B, N, 1)  # (B, N, C)
-    num = torch.zeros(B * n, C, dtype=dt, device=x.device).index_add_(0, rows, ops.flat_rows(xw))  # (B * n, C)
-    den = torch.zeros(B, n, dtype=dt, device=x.device).scatter_add_(1, slot, s)  # (B, n) sizes add up
-    x = ops.cast(num.view(B, n, C).div_(den.view(B, n, 1)), x.dtype)  # (B, n, C)
+    num = ops.into_slots(xw, slot, n, rows=rows)  # (B, n, C)
+    den = ops.into_slots(s, slot, n)  # (B, n) sizes add up
+    x = ops.cast(num.div_(den.view(B, n, 1)), x.dtype)  # (B, n, C)
     if source is not None:
-        K = source.shape[2]
-        source = torch.zeros(B * n, K, dtype=source.dtype, device=x.device).index_add_(
-            0, rows, ops.flat_rows(source)).view(B, n, K)  # (B, n, N0)
+        source = ops.into_slots(source, slot, n, rows=rows)  # (B, n, N0)
     if importance is not None:  # >= 0: attention weights
         importance = torch.zeros(B, n, dtype=importance.dtype, device=x.device).scatter_reduce_(
             1, slot, importance, "amax")  # (B, n)
