@@ -419,9 +419,12 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
         pos = ops.positions(n, dev)  # (n,)
         real = pos < count  # (b, n)
         at = start + torch.minimum(pos, count - 1)  # (b, n) packed row of each position
-        g = qkv.index_select(0, at.view(-1)).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
-        if cfg.needs_importance:  # explicit attention: one copy of q, k and v, not one each (as _whole_attention)
-            g = g.contiguous()
+        if cfg.needs_importance:  # explicit attention: q, k and v gathered head by head, contiguous
+            heads = ops.positions(3 * H, dev).view(3, 1, H, 1)  # (3, 1, H, 1) head rows of a packed token
+            g = ops.reshaped(qkv, T * 3 * H, D).index_select(0, (at.view(1, b, 1, n) * (3 * H) + heads).view(-1))
+            g = g.view(3, b, H, n, D)  # (3, b, H, n, D)
+        else:
+            g = qkv.index_select(0, at.view(-1)).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
         q, k, v = g.unbind(0)  # (b, H, n, D) each
         q, k = view.q_norm(q), view.k_norm(k)
         padded = not all(state.counts[i] == n for i in rows)
