@@ -5,7 +5,8 @@ aten call: the ones made from Python, each with its own dispatch) and of host sy
 (``ltmp.runtime.HostSyncs``) per forward, for the dense model and for LTMP with thresholds calibrated to
 ``--target`` (as in benchmarks/speed.py), or a fixed-rate ``--method`` at LTMP's GMACs. ``--summary`` prints one
 line per model instead of the operator tables; ``--per-block`` adds the aten calls inside each block and outside
-the blocks.
+the blocks; ``--by-line N`` the N source lines whose torch calls take the most wall time (CPU; torch's own modules
+are looked through, so a line of ltmp or timm gets the time of the functional calls it makes).
 
     python benchmarks/profile_step.py --model cifar --target 0.7
     python benchmarks/profile_step.py --model deit-s --batch-size 32
@@ -22,13 +23,17 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import contextlib
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import ltmp
@@ -48,6 +53,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--summary", action="store_true", help="no operator tables")
     p.add_argument("--per-block", action="store_true", help="also the aten calls of each block and outside them")
+    p.add_argument("--by-line", type=int, default=0, metavar="N",
+                   help="also the N source lines whose torch calls take the most time (CPU)")
     p.add_argument("--lse", action="store_true", help="importance from a fused kernel's log-sum-exp "
                                                        "(Execution.importance_from_lse)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
@@ -120,6 +127,14 @@ def main() -> None:
         if args.per_block:
             per_block, outside = block_calls(prof, args.forwards)
             print(f"   aten calls per block: {per_block}; outside the blocks: {outside:g}")
+        if args.by_line:
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp), \
+                    TimedLines() as lines:
+                for b in batches:
+                    m(b)
+            print(f"   per source line (ms per forward, calls; {lines.total() / args.forwards:.1f} ms in torch calls):")
+            for where, (sec, n) in lines.top(args.by_line):
+                print(f"   {1e3 * sec / args.forwards:9.2f} {n / args.forwards:6g}  {where}")
         if not args.summary:
             print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                row_limit=args.rows))
@@ -158,6 +173,44 @@ def marked_blocks(model, on: bool):
         else:
             for blk in model.blocks:
                 del blk.forward
+
+
+class TimedLines(TorchFunctionMode):
+    """Wall time of the outermost torch calls (functions, methods, modules' functional calls), summed per source
+    line outside torch itself: on the CPU every call finishes before it returns, so this is where the host time
+    goes, line by line."""
+
+    def __init__(self):
+        super().__init__()
+        self.stats: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+        self._depth = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._depth:
+            return func(*args, **kwargs)
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(TORCH_DIR):
+            frame = frame.f_back
+        where = "?" if frame is None else f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+        self._depth += 1
+        start = time.perf_counter()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            entry = self.stats[f"{where} {getattr(func, '__name__', func)}"]
+            entry[0] += time.perf_counter() - start
+            entry[1] += 1
+            self._depth -= 1
+
+    def total(self) -> float:
+        return 1e3 * sum(sec for sec, _ in self.stats.values())
+
+    def top(self, n: int) -> list:
+        return sorted(self.stats.items(), key=lambda kv: -kv[1][0])[:n]
+
+
+TORCH_DIR = str(Path(torch.__file__).parent)
 
 
 def block_calls(prof, forwards: int) -> tuple[list[float], float]:
