@@ -353,7 +353,7 @@ def _buckets(state: TokenState, view: BlockView, cfg: ReduceConfig) -> list[tupl
 
 def _attention(view: BlockView, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, ls: Tensor | None,
                cfg: ReduceConfig, ls_masks: bool = False):
-    """Attention of eq. 5-7 on (B, H, N, D) q, k, v: the output (B, N, H * D) and, if the method prunes, the
+    """Attention of eq. 5-7 on (B, H, N, D) q, k, v: the output (B, H, N, D) and, if the method prunes, the
     importance scores (B, N) of eq. 16/17, taken while the (B, H, N, N) probabilities are still in cache, or, with
     ``Execution.importance_from_lse`` in eval without gradients, from a fused kernel's log-sum-exp. ``ls_masks``:
     the log sizes ``ls`` are already -inf at every key ``keep`` removes, so ``keep`` only weighs the importance's
@@ -383,7 +383,13 @@ def _attention(view: BlockView, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | 
         bias = ops.key_bias(keep, ls, q.dtype)  # (B, N) or None
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.view(B, 1, 1, N),
                                            dropout_p=drop, scale=view.scale)
-    return ops.reshaped(o.transpose(1, 2), B, N, H * D), importance  # (B, N, H * D), (B, N) or None
+    return o, importance  # (B, H, N, D), (B, N) or None
+
+
+def _heads_merged(o: Tensor) -> Tensor:
+    """Attention output (B, H, N, D) as token rows (B, N, H * D)."""
+    B, H, N, D = o.shape
+    return ops.reshaped(o.transpose(1, 2), B, N, H * D)
 
 
 def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceConfig, buckets) -> tuple:
@@ -429,9 +435,13 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
         q, k = view.q_norm(q), view.k_norm(k)
         padded = not all(state.counts[i] == n for i in rows)
         og, ig = _attention(view, q, k, v, ops.cast(real, state.keep.dtype) if padded else None,
-                            None if ls is None else ls[sel, :n], cfg)  # (b, n, H * D), (b, n)
-        # padding rows go to the spare row T
-        o.index_copy_(0, at.masked_fill_(~real, T).view(-1), ops.cast(ops.flat_rows(og), o.dtype))
+                            None if ls is None else ls[sel, :n], cfg)  # (b, H, n, D), (b, n)
+        at = at.masked_fill_(~real, T)  # (b, n) padding rows go to the spare row T
+        if og.is_contiguous():  # (explicit attention) head by head into o's rows of D: no transposed copy
+            heads = ops.positions(H, dev).view(1, H, 1)  # (1, H, 1)
+            o.view(-1, D).index_copy_(0, (at.view(b, 1, n) * H + heads).view(-1), ops.cast(og.view(-1, D), o.dtype))
+        else:
+            o.index_copy_(0, at.view(-1), ops.cast(ops.flat_rows(_heads_merged(og)), o.dtype))
         if ig is not None:
             if importance is None:
                 importance = ig.new_zeros(B, N)  # (B, N)
@@ -477,7 +487,8 @@ def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceC
     q, k = view.q_norm(q), view.k_norm(k)
     keep = state.keep if state.masked_once else None
     o, importance = _attention(view, q, k, v, keep, log_size(state), cfg,
-                               size_masks_padding(state))  # (B, N, H * D), (B, N) or None
+                               size_masks_padding(state))  # (B, H, N, D), (B, N) or None
+    o = _heads_merged(o)  # (B, N, H * D)
     if gate is not None:
         x = x + view.out(view.head_norm(o) * gate)  # (B, N, C)
     else:
