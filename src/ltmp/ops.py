@@ -157,10 +157,22 @@ def ones(b: int, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return _cached(("ones", b, n, dtype, device), lambda: torch.ones(b, n, dtype=dtype, device=device))
 
 
-def row_offsets(b: int, n: int, device: torch.device) -> Tensor:
-    """(b, 1): ``n`` times each image's index, made once; added to per-image indices (b, ...) of n rows it gives
-    row indices into the flattened (b * n, ...) batch."""
-    return _cached(("offsets", b, n, device), lambda: (positions(b, device) * n).view(b, 1))
+def row_offsets(b: int, n: int, device: torch.device, first: int = 0) -> Tensor:
+    """(b, 1): ``n`` times each image's index, plus ``first``, made once; added to per-image indices (b, ...) of n
+    rows (counted from ``first``) it gives row indices into the flattened (b * n, ...) batch."""
+    return _cached(("offsets", b, n, device, first), lambda: (positions(b, device) * n + first).view(b, 1))
+
+
+def batch_rows(b: int, n: int, stride: int, device: torch.device) -> Tensor:
+    """(b, n): ``stride * i + j``, the row of image i's position j in a flattened (b * stride, ...) batch, made
+    once."""
+    return _cached(("batch rows", b, n, stride, device), lambda: positions(n, device) + row_offsets(b, stride, device))
+
+
+def affine(t: Tensor, scale: int, shift: int) -> Tensor:
+    """``scale * t + shift`` in one operator call (``torch.add`` of a kept 0-d ``shift`` and ``t`` times
+    ``scale``; the expression makes two): token positions from set-A or set-B rows."""
+    return torch.add(scalar(shift, t), t, alpha=scale)
 
 
 def scalar(value: float, like: Tensor) -> Tensor:
@@ -670,58 +682,53 @@ def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = Non
 
 
 def slots(alive: Tensor, counts: list[int] | None = None, rank: Tensor | None = None) -> tuple[Tensor, list[int]]:
-    """Where :func:`contract` puts each token: its rank among the survivors ``alive`` (B, N) of its image, or the
-    dump slot ``max(counts)`` if it is removed; and ``counts``, each image's survivors (read back from the device
+    """Where :func:`contract` puts each token (B, N): a row of the flattened (B * n + 1, ...) output, n =
+    ``max(counts)``: image i's survivors ``alive`` (B, N) at rows ``n * i + rank`` (their order kept), every removed
+    token at the one dump row ``B * n`` (cut off); and ``counts``, each image's survivors (read back from the device
     when not given). ``rank``: ``alive.cumsum(1)``, if the caller has it."""
+    B = alive.shape[0]
     rank = alive.cumsum(1) if rank is None else rank  # (B, N) survivors up to each position
     if counts is None:
         counts = rank[:, -1].tolist()  # the one host synchronisation
-    return (rank - 1).masked_fill_(~alive, max(counts)), counts  # (B, N)
+    n = max(counts)
+    return (rank + row_offsets(B, n, alive.device, first=-1)).masked_fill_(~alive, B * n), counts  # (B, N)
 
 
-def slot_rows(target: Tensor, n: int) -> Tensor:
-    """The slots ``target`` (B, N) of ``n`` per image as rows (B * N,) of the flattened (B * n, ...) output."""
-    return (target + row_offsets(target.shape[0], n, target.device)).view(-1)
-
-
-def into_slots(t: Tensor, target: Tensor, n: int, add: bool = True, rows: Tensor | None = None) -> Tensor:
-    """``t`` (B, N, ...) summed (``add``) or copied into its slots ``target`` (B, N) of ``n``: (B, n, ...), 0 where
-    nothing lands. Token rows move with ``index_add_`` / ``index_copy_`` of whole rows on the flattened batch (2-3x
-    faster than a scatter along dim 1 on the CPU); ``rows``: :func:`slot_rows`, if the caller has it."""
-    B = target.shape[0]
-    if t.dim() == 2:
-        out = torch.zeros(B, n, dtype=t.dtype, device=t.device)  # (B, n)
-        return out.scatter_add_(1, target, t) if add else out.scatter_(1, target, t)
-    rows = slot_rows(target, n) if rows is None else rows  # (B * N,)
-    flat = flat_rows(t)  # (B * N, K)
-    out = torch.zeros(B * n, flat.shape[1], dtype=t.dtype, device=t.device)  # (B * n, K)
-    out = out.index_add_(0, rows, flat) if add else out.index_copy_(0, rows, flat)
-    return out.view(B, n, *t.shape[2:])  # (B, n, ...)
+def into_rows(flat: Tensor, rows: Tensor, total: int, add: bool = True) -> Tensor:
+    """The rows of ``flat`` (M, ...) summed (``add``) or copied into ``rows`` (M,) of a (total, ...) tensor, 0 where
+    nothing lands. Token rows (M, K) move with ``index_add_`` / ``index_copy_`` of whole rows (2-3x faster than a
+    scatter along dim 1 on the CPU), sizes (M,) with a scatter (2 operator calls, ``index_add_`` makes 3)."""
+    out = torch.zeros(total, *flat.shape[1:], dtype=flat.dtype, device=flat.device)  # (total, ...)
+    if flat.dim() == 1:
+        return out.scatter_add_(0, rows, flat) if add else out.scatter_(0, rows, flat)
+    return out.index_add_(0, rows, flat) if add else out.index_copy_(0, rows, flat)
 
 
 def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Tensor | None, merged: bool
                  ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """The tokens x (B, N, C), sizes (B, N) and patch maps (B, N, N0) summed into their slots ``target`` (B, N),
-    ``n_new`` of them plus the dump slot (cut off): each slot's tokens as a size-weighted average if ``merged``
-    (sizes add up), else a copy. Returns x (B, n_new, C), size (B, n_new), source (B, n_new, N0) or None and the
-    keep mask (B, n_new), 1 at real tokens and 0 at padding."""
+    """The tokens x (B, N, C), sizes (B, N) and patch maps (B, N, N0) summed into their rows ``target`` (B, N) of
+    :func:`slots`, ``n_new`` per image plus the dump row (cut off): each slot's tokens as a size-weighted average if
+    ``merged`` (sizes add up), else a copy. Returns x (B, n_new, C), size (B, n_new), source (B, n_new, N0) or None
+    (contiguous) and the keep mask (B, n_new), 1 at real tokens and 0 at padding."""
     B, N = target.shape
-    rows = slot_rows(target, n_new + 1)  # (B * N,)
+    rows = target.view(-1)  # (B * N,)
 
-    def scatter(t: Tensor, add: bool) -> Tensor:  # t (B, N, ...) into (B, n_new, ...)
-        return into_slots(t, target, n_new + 1, add, rows)[:, :n_new]
+    def scatter(flat: Tensor, add: bool) -> Tensor:  # flat (B * N, ...) into (B, n_new, ...)
+        return into_rows(flat, rows, B * n_new + 1, add)[:B * n_new].view(B, n_new, *flat.shape[1:])
 
     if not merged:  # survivors only: exact copies
-        x, size = scatter(x, False), scatter(size, False)  # (B, N', C), (B, N')
+        x, size = scatter(flat_rows(x), False), scatter(reshaped(size, -1), False)  # (B, N', C), (B, N')
     else:  # every survivor becomes the size-weighted average of its group (one pass: those that received
         # nothing are x * s / s, equal to x up to rounding, as a batched matmul differs from a single one)
         dt = promote(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
-        s = cast(size, dt)  # (B, N)
+        s = reshaped(cast(size, dt), -1)  # (B * N,)
         den = scatter(s, True)  # (B, N') sizes add up; 0 for padding
-        x = cast(scatter(cast(x, dt) * s.view(B, N, 1), True) / den.clamp_min(1.0).view(B, n_new, 1), x.dtype)
+        num = scatter(flat_rows(cast(x, dt)) * s.view(B * N, 1), True)  # (B, N', C)
+        den_c = den.clamp_min(1.0).view(B, n_new, 1)  # (B, N', 1)
+        x = cast(num / den_c if num.requires_grad else num.div_(den_c), x.dtype)  # (B, N', C)
         size = cast(den, size.dtype)  # (B, N')
     if source is not None:
-        source = scatter(source, True)  # (B, N', N0) patch maps add up
+        source = scatter(flat_rows(source), True)  # (B, N', N0) patch maps add up
     return x, size, source, _hard(size).sign()  # every real token stands for >= 1 patch, padding for 0
 
 

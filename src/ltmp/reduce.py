@@ -472,7 +472,7 @@ def _reduce_compact_merge_first(
     sim.masked_fill_(~mergeable[:, 1::2].view(B, 1, -1), -math.inf)  # B columns that cannot receive
     best, j = ops.row_max(sim)  # (B, Na), (B, Na) each A row's best B column (the first on ties)
     merge_a = (best > merge_threshold) & mergeable[:, ::2]  # (B, Na) eq. 1
-    dst_a = 2 * j + 1  # (B, Na) the B position each A row would join
+    dst_a = ops.affine(j, 2, 1)  # (B, Na) the B position each A row would join
     if importance is not None:  # a target's importance is its group's max (ops.group_max); in place: the
         #                           block's own scores, not read after this step
         importance.scatter_reduce_(1, dst_a, torch.where(merge_a, importance[:, ::2], ops.scalar(-math.inf,
@@ -548,7 +548,8 @@ def _reduce_single(
                 sel = best.topk(k).indices if exporting else best.sort(descending=True, stable=True).indices[:k]
             if not exporting and sel.shape[0] == 0:
                 continue
-            src, dst = 2 * sel + 2 * a0, 2 * j.index_select(0, sel) + 1  # (M,) positions merged away, their targets
+            src = ops.affine(sel, 2, 2 * a0)  # (M,) positions merged away
+            dst = ops.affine(j.index_select(0, sel), 2, 1)  # (M,) their targets
             x, size, source, imp = _merge_rows(x, size, source, None if importance is None else importance[None],
                                                src[None], dst[None])
             importance = None if imp is None else imp[0]
@@ -645,8 +646,8 @@ def _reduce_fixed(
                 sim[..., :P // 2] = float("-inf")  # B columns inside the prefix
             best, j = ops.row_max(sim)  # (B, Na), (B, Na)
             rows = _top_rows(best, k)  # (B, k) the A rows merged away, ascending
-            src = 2 * rows + 2 * a0  # (B, k) their positions
-            dst = 2 * j.gather(1, rows) + 1  # (B, k) the B position each joins
+            src = ops.affine(rows, 2, 2 * a0)  # (B, k) their positions
+            dst = ops.affine(j.gather(1, rows), 2, 1)  # (B, k) the B position each joins
             x, size, source, importance = _sum_into_slots(_merge_slots(src, dst, N), N - k, x, size, source,
                                                           importance, state.merged_once)
             N, n_merged = N - k, k
@@ -681,39 +682,39 @@ def _top_rows(scores: Tensor, k: int) -> Tensor:
 
 def _merge_slots(src: Tensor, dst: Tensor, n: int) -> Tensor:
     """Where each of ``n`` tokens goes when the tokens at the ascending positions ``src`` (B, k) merge into those
-    at ``dst`` (B, k): its rank among the ``n - k`` tokens that stay (their order is kept), or for a merged token
-    its target's rank. (B, n)."""
-    B = src.shape[0]
+    at ``dst`` (B, k): a row of the flattened (B * (n - k), ...) output, at its rank among its image's ``n - k``
+    tokens that stay (their order is kept), or for a merged token its target's row. (B, n)."""
+    B, k = src.shape
     if is_exporting():  # merged tokens before each position: a cumulative sum (exporters know no searchsorted)
         before = torch.zeros(B, n, dtype=src.dtype, device=src.device).scatter_(1, src, 1).cumsum(1)  # (B, n)
     else:
         before = torch.searchsorted(src, ops.positions(n, src.device, batch=B))  # (B, n)
-    slot = ops.positions(n, src.device) - before  # (B, n) rank among the tokens that stay
+    slot = ops.batch_rows(B, n, n - k, src.device) - before  # (B, n) rank among the tokens that stay, as a row
     return slot.scatter_(1, src, slot.gather(1, dst))  # (B, n)
 
 
 def _sum_into_slots(slot: Tensor, n: int, x: Tensor, size: Tensor, source: Tensor | None,
                     importance: Tensor | None, weighted: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """The tokens x (B, N, C) summed into their ``slot`` (B, N) of ``n``: each slot's size-weighted average of
-    its tokens, added in position order (eq. 7 as :func:`ltmp.ops.merge_tokens`; a token that receives nothing is
-    x * s / s, equal to x up to rounding); sizes (B, N) and source rows (B, N, N0) add up and importance (B, N)
-    takes the group's max. ``weighted``: some size may differ from 1 (else x needs no weights). The sums are
-    :func:`ltmp.ops.into_slots`, as the compact step's."""
+    """The tokens x (B, N, C) summed into their rows ``slot`` (B, N) of the flattened (B * n, ...) output: each
+    slot's size-weighted average of its tokens, added in position order (eq. 7 as :func:`ltmp.ops.merge_tokens`; a
+    token that receives nothing is x * s / s, equal to x up to rounding); sizes (B, N) and source rows (B, N, N0)
+    add up and importance (B, N) takes the group's max. ``weighted``: some size may differ from 1 (else x needs no
+    weights). The sums are :func:`ltmp.ops.into_rows`, as the compact step's."""
     B, N, C = x.shape
     dt = ops.promote(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
-    s = ops.cast(size, dt)  # (B, N)
-    rows = ops.slot_rows(slot, n)  # (B * N,)
-    xw = ops.cast(x, dt)  # (B, N, C)
+    s = ops.reshaped(ops.cast(size, dt), -1)  # (B * N,)
+    rows = slot.view(-1)  # (B * N,)
+    xw = ops.flat_rows(ops.cast(x, dt))  # (B * N, C)
     if weighted:
-        xw = xw * s.view(B, N, 1)  # (B, N, C)
-    num = ops.into_slots(xw, slot, n, rows=rows)  # (B, n, C)
-    den = ops.into_slots(s, slot, n)  # (B, n) sizes add up
+        xw = xw * s.view(B * N, 1)  # (B * N, C)
+    num = ops.into_rows(xw, rows, B * n).view(B, n, C)  # (B, n, C)
+    den = ops.into_rows(s, rows, B * n).view(B, n)  # (B, n) sizes add up
     x = ops.cast(num.div_(den.view(B, n, 1)), x.dtype)  # (B, n, C)
     if source is not None:
-        source = ops.into_slots(source, slot, n, rows=rows)  # (B, n, N0)
+        source = ops.into_rows(ops.flat_rows(source), rows, B * n).view(B, n, -1)  # (B, n, N0)
     if importance is not None:  # >= 0: attention weights
-        importance = torch.zeros(B, n, dtype=importance.dtype, device=x.device).scatter_reduce_(
-            1, slot, importance, "amax")  # (B, n)
+        importance = torch.zeros(B * n, dtype=importance.dtype, device=x.device).scatter_reduce_(
+            0, rows, ops.reshaped(importance, -1), "amax").view(B, n)  # (B, n)
     return x, ops.cast(den, size.dtype), source, importance
 
 
