@@ -26,6 +26,7 @@ import bisect
 import collections
 import contextlib
 import math
+import os
 import statistics
 import sys
 import time
@@ -79,6 +80,8 @@ def main() -> None:
     print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}" + ("" if learned else " (LTMP's; matched GMACs)")
           + ("" if cuda else f"; {allocator()}"))
     models = [("dense", dense), (args.method, red)]
+    if args.by_line and args.compile:
+        p.error("--by-line times eager calls; run it without --compile")
     if args.tome_ref:
         if args.method != "tome":
             p.error("--tome-ref needs --method tome (the reference runs ToMe's r schedule)")
@@ -210,7 +213,7 @@ class TimedLines(TorchFunctionMode):
         return sorted(self.stats.items(), key=lambda kv: -kv[1][0])[:n]
 
 
-TORCH_DIR = str(Path(torch.__file__).parent)
+TORCH_DIR = str(Path(torch.__file__).parent) + os.sep  # not torchvision/
 
 
 def block_calls(prof, forwards: int) -> tuple[list[float], float]:
