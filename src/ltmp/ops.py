@@ -704,31 +704,42 @@ def into_rows(flat: Tensor, rows: Tensor, total: int, add: bool = True) -> Tenso
     return out.index_add_(0, rows, flat) if add else out.index_copy_(0, rows, flat)
 
 
+def weighted_sums(x: Tensor, size: Tensor, rows: Tensor, total: int, weighted: bool = True
+                  ) -> tuple[Tensor, Tensor]:
+    """Eq. 7's sums: the tokens x (B, N, C) times their sizes (B, N) and the sizes, each added into its row of
+    ``rows`` (B * N,): (total, C) and (total,), in at least the size dtype (fp32 under AMP). ``weighted``: some size
+    may differ from 1 (else x is added as it is)."""
+    dt = promote(x.dtype, size.dtype)
+    s = reshaped(cast(size, dt), -1)  # (B * N,)
+    xw = flat_rows(cast(x, dt))  # (B * N, C)
+    if weighted:
+        xw = xw * s.view(-1, 1)  # (B * N, C)
+    return into_rows(xw, rows, total), into_rows(s, rows, total)  # (total, C), (total,)
+
+
 def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Tensor | None, merged: bool
                  ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """The tokens x (B, N, C), sizes (B, N) and patch maps (B, N, N0) summed into their rows ``target`` (B, N) of
     :func:`slots`, ``n_new`` per image plus the dump row (cut off): each slot's tokens as a size-weighted average if
     ``merged`` (sizes add up), else a copy. Returns x (B, n_new, C), size (B, n_new), source (B, n_new, N0) or None
     (contiguous) and the keep mask (B, n_new), 1 at real tokens and 0 at padding."""
-    B, N = target.shape
-    rows = target.view(-1)  # (B * N,)
+    B = target.shape[0]
+    rows, total = target.view(-1), B * n_new + 1  # (B * N,), rows of the output with the dump row
 
-    def scatter(flat: Tensor, add: bool) -> Tensor:  # flat (B * N, ...) into (B, n_new, ...)
-        return into_rows(flat, rows, B * n_new + 1, add)[:B * n_new].view(B, n_new, *flat.shape[1:])
+    def cut(t: Tensor) -> Tensor:  # (total, ...) -> (B, n_new, ...) without the dump row
+        return t[:B * n_new].view(B, n_new, *t.shape[1:])
 
     if not merged:  # survivors only: exact copies
-        x, size = scatter(flat_rows(x), False), scatter(reshaped(size, -1), False)  # (B, N', C), (B, N')
+        x = cut(into_rows(flat_rows(x), rows, total, add=False))  # (B, N', C)
+        size = cut(into_rows(reshaped(size, -1), rows, total, add=False))  # (B, N')
     else:  # every survivor becomes the size-weighted average of its group (one pass: those that received
         # nothing are x * s / s, equal to x up to rounding, as a batched matmul differs from a single one)
-        dt = promote(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
-        s = reshaped(cast(size, dt), -1)  # (B * N,)
-        den = scatter(s, True)  # (B, N') sizes add up; 0 for padding
-        num = scatter(flat_rows(cast(x, dt)) * s.view(B * N, 1), True)  # (B, N', C)
+        num, den = (cut(t) for t in weighted_sums(x, size, rows, total))  # (B, N', C), (B, N'); den 0 for padding
         den_c = den.clamp_min(1.0).view(B, n_new, 1)  # (B, N', 1)
         x = cast(num / den_c if num.requires_grad else num.div_(den_c), x.dtype)  # (B, N', C)
         size = cast(den, size.dtype)  # (B, N')
     if source is not None:
-        source = scatter(flat_rows(source), True)  # (B, N', N0) patch maps add up
+        source = cut(into_rows(flat_rows(source), rows, total))  # (B, N', N0) patch maps add up
     return x, size, source, _hard(size).sign()  # every real token stands for >= 1 patch, padding for 0
 
 

@@ -417,6 +417,8 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
     o = qkv.new_empty(T + 1, H * D)  # (T + 1, H * D); row T takes the padding rows' outputs
     importance = None  # (B, N) once a group has scores
     metric = qkv.new_zeros(B, N, D) if cfg.needs_metric else None  # (B, N, D)
+    # rows of D values: each head's in a token's (3, H, D) qkv and in its (H, D) output
+    head_qkv, head_out = ops.positions(3 * H, dev).view(3, 1, H, 1), ops.positions(H, dev).view(1, H, 1)
     for rows, n in buckets:
         b = len(rows)
         sel = torch.tensor(rows, device=dev)  # (b,)
@@ -426,8 +428,7 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
         real = pos < count  # (b, n)
         at = start + torch.minimum(pos, count - 1)  # (b, n) packed row of each position
         if cfg.needs_importance:  # explicit attention: q, k and v gathered head by head, contiguous
-            heads = ops.positions(3 * H, dev).view(3, 1, H, 1)  # (3, 1, H, 1) head rows of a packed token
-            g = ops.reshaped(qkv, T * 3 * H, D).index_select(0, (at.view(1, b, 1, n) * (3 * H) + heads).view(-1))
+            g = ops.reshaped(qkv, T * 3 * H, D).index_select(0, (at.view(1, b, 1, n) * (3 * H) + head_qkv).view(-1))
             g = g.view(3, b, H, n, D)  # (3, b, H, n, D)
         else:
             g = qkv.index_select(0, at.view(-1)).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
@@ -438,8 +439,7 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
                             None if ls is None else ls[sel, :n], cfg)  # (b, H, n, D), (b, n)
         at = at.masked_fill_(~real, T)  # (b, n) padding rows go to the spare row T
         if og.is_contiguous():  # (explicit attention) head by head into o's rows of D: no transposed copy
-            heads = ops.positions(H, dev).view(1, H, 1)  # (1, H, 1)
-            o.view(-1, D).index_copy_(0, (at.view(b, 1, n) * H + heads).view(-1), ops.cast(og.view(-1, D), o.dtype))
+            o.view(-1, D).index_copy_(0, (at.view(b, 1, n) * H + head_out).view(-1), ops.cast(og.view(-1, D), o.dtype))
         else:
             o.index_copy_(0, at.view(-1), ops.cast(ops.flat_rows(_heads_merged(og)), o.dtype))
         if ig is not None:

@@ -699,17 +699,12 @@ def _sum_into_slots(slot: Tensor, n: int, x: Tensor, size: Tensor, source: Tenso
     slot's size-weighted average of its tokens, added in position order (eq. 7 as :func:`ltmp.ops.merge_tokens`; a
     token that receives nothing is x * s / s, equal to x up to rounding); sizes (B, N) and source rows (B, N, N0)
     add up and importance (B, N) takes the group's max. ``weighted``: some size may differ from 1 (else x needs no
-    weights). The sums are :func:`ltmp.ops.into_rows`, as the compact step's."""
+    weights). The sums are :func:`ltmp.ops.weighted_sums`, as the compact step's."""
     B, N, C = x.shape
-    dt = ops.promote(x.dtype, size.dtype)  # weighted sums in at least the size dtype (fp32 under AMP)
-    s = ops.reshaped(ops.cast(size, dt), -1)  # (B * N,)
     rows = slot.view(-1)  # (B * N,)
-    xw = ops.flat_rows(ops.cast(x, dt))  # (B * N, C)
-    if weighted:
-        xw = xw * s.view(B * N, 1)  # (B * N, C)
-    num = ops.into_rows(xw, rows, B * n).view(B, n, C)  # (B, n, C)
-    den = ops.into_rows(s, rows, B * n).view(B, n)  # (B, n) sizes add up
-    x = ops.cast(num.div_(den.view(B, n, 1)), x.dtype)  # (B, n, C)
+    num, den = ops.weighted_sums(x, size, rows, B * n, weighted)  # (B * n, C), (B * n,) sizes add up
+    x = ops.cast(num.div_(den.view(B * n, 1)).view(B, n, C), x.dtype)  # (B, n, C)
+    den = den.view(B, n)  # (B, n)
     if source is not None:
         source = ops.into_rows(ops.flat_rows(source), rows, B * n).view(B, n, -1)  # (B, n, N0)
     if importance is not None:  # >= 0: attention weights
