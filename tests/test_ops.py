@@ -402,6 +402,23 @@ def test_head_mean_is_the_mean_over_heads_bit_for_bit(dtype):
     assert torch.equal(ops.head_mean(k.contiguous()), k.contiguous().mean(1))
 
 
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_qkv_heads_split_as_timm_does(contiguous, grad):
+    # channels of a wider projection (not contiguous): the strides must come from the tensor, not its shape
+    wide = torch.randn(2, 5, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    proj = wide[..., :36].requires_grad_(grad) if grad else wide[..., :36]  # (B, N, 3 * H * D), H 3, D 4
+    ref = proj.reshape(2, 5, 3, 3, 4).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, D) each
+    got = ops.qkv_heads(proj, 3, contiguous=contiguous)
+    assert len(got) == 3
+    for r, t in zip(ref, got):
+        assert t.shape == r.shape and torch.equal(t, r)
+        assert t.is_contiguous() if contiguous else t.untyped_storage().data_ptr() == wide.untyped_storage().data_ptr()
+    if grad:  # the gradient reaches the projection
+        sum(t.sum() * (i + 1) for i, t in enumerate(got)).backward()
+        assert torch.equal(proj.grad, torch.arange(1., 4.).repeat_interleave(12).expand(2, 5, 36).double())
+
+
 def test_kept_constants_are_real_tensors_made_outside_tensor_modes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

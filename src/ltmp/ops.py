@@ -101,6 +101,49 @@ def flat_rows(t: Tensor) -> Tensor:
     return reshaped(t, -1, t.shape[-1])
 
 
+def _views(t: Tensor) -> bool:
+    """Whether :func:`unbind_views` and the like may take ``as_strided`` views of ``t``: not while tracing (named
+    views trace more simply) and not with gradients (``as_strided``'s backward is slow)."""
+    return not (tracing() or t.requires_grad)
+
+
+def unbind_views(t: Tensor) -> tuple[Tensor, ...]:
+    """``t.unbind(0)``, as strided views where :func:`_views` allows: one operator call per slice where
+    ``unbind`` makes 1 + 2 per slice."""
+    if not _views(t):
+        return t.unbind(0)
+    size, stride, step, off = t.shape[1:], t.stride()[1:], t.stride(0), t.storage_offset()
+    return tuple(t.as_strided(size, stride, off + i * step) for i in range(t.shape[0]))
+
+
+def qkv_heads(qkv: Tensor, heads: int, contiguous: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v (B, H, N, D) from a qkv projection (B, N, 3 * H * D), split as timm's attention splits it:
+    ``reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`` (10 operator calls), or with ``contiguous`` after
+    one copy of all three (explicit attention reads them whole). Where :func:`_views` allows, the permuted tensor
+    is one strided view and its slices are too (4 calls)."""
+    B, N, C3 = qkv.shape
+    D = C3 // (3 * heads)
+    if contiguous or not _views(qkv):
+        t = reshaped(qkv, B, N, 3, heads, D).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
+        return unbind_views(t.contiguous() if contiguous else t)  # (B, H, N, D) each
+    sB, sN, sC = qkv.stride()  # the permuted view above, taken directly
+    t = qkv.as_strided((3, B, heads, N, D), (heads * D * sC, sB, D * sC, sN, sC), qkv.storage_offset())
+    return unbind_views(t)  # (B, H, N, D) each
+
+
+def every_other_row(u: Tensor, first: int, transposed: bool = False) -> Tensor:
+    """Rows ``first, first + 2, ...`` of ``u`` (B, N, D), (B, n, D), or with ``transposed`` (B, D, n), as one
+    strided view where :func:`_views` allows (a slice and a transpose make 2 operator calls each)."""
+    if not _views(u):
+        rows = u[:, first::2]  # (B, n, D)
+        return rows.transpose(1, 2) if transposed else rows
+    B, N, D = u.shape
+    sB, sN, sD = u.stride()
+    n = (N - first + 1) // 2
+    size, stride = ((B, D, n), (sB, sD, 2 * sN)) if transposed else ((B, n, D), (sB, 2 * sN, sD))
+    return u.as_strided(size, stride, u.storage_offset() + first * sN)
+
+
 def row_index(index: Tensor, width: int) -> Tensor:
     """Token positions (..., k) as a gather/scatter index of whole rows of ``width`` channels: (..., k, width), an
     expanded view."""
@@ -514,9 +557,13 @@ def cosine_similarity(metric: Tensor, first_a: int | None = None) -> Tensor:
     """
     u = cast(metric, wide(metric.dtype))
     u = u / u.norm(dim=-1, keepdim=True)  # (..., N, D) rows of norm 1
-    a, b = (u, u) if first_a is None else (u[..., first_a::2, :], u[..., 1::2, :])  # (..., Na, D), (..., Nb, D)
     with _autocast_off(u.device.type):  # bmm/mm, not matmul: its folding would guard on whether N is even
-        return torch.bmm(a, b.transpose(1, 2)) if u.dim() == 3 else torch.mm(a, b.T)  # (..., Na, Nb)
+        if u.dim() == 2:
+            a, b = (u, u) if first_a is None else (u[first_a::2], u[1::2])  # (Na, D), (Nb, D)
+            return torch.mm(a, b.T)  # (Na, Nb)
+        if first_a is None:
+            return torch.bmm(u, u.transpose(1, 2))  # (B, N, N)
+        return torch.bmm(every_other_row(u, first_a), every_other_row(u, 1, transposed=True))  # (B, Na, Nb)
 
 
 def row_max(t: Tensor) -> tuple[Tensor, Tensor]:

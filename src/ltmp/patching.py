@@ -320,15 +320,19 @@ def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) ->
     return state.packed[1]
 
 
-def _tokenwise(fn, x: Tensor, rows: ops.PackedRows | None, residual: Tensor | None = None) -> Tensor:
+def _tokenwise(fn, x: Tensor, rows: ops.PackedRows | None, residual: Tensor | None = None,
+               matrix: bool = False) -> Tensor:
     """``fn`` applied to the tokens of x (B, N, C), plus ``residual`` (B, N, C') if given; only at the packed
     ``rows`` if given (padding gets 0, or keeps its residual). Without gradients the residual stream of a padded
     batch gets the outputs added in place: it is the block's own tensor, never read again (this saves a copy of it
-    per layer)."""
-    if rows is None:
-        return fn(x) if residual is None else residual + fn(x)
+    per layer). ``matrix`` (``BlockView.mlp_rows``): ``fn`` takes the tokens as rows (B * N, C) also unpacked;
+    with the residual x it does (a linear layer on a matrix makes 2 operator calls fewer than on (B, N, C))."""
     B, N, _ = x.shape
+    if rows is None and not (matrix and residual is x):
+        return fn(x) if residual is None else residual + fn(x)
     flat = ops.flat_rows(x)  # (B * N, C)
+    if rows is None:
+        return (flat + fn(flat)).view(B, N, -1)  # (B, N, C)
     out = fn(rows.take(flat))  # (T, C')
     if residual is not None:  # one pass: the residual stream with the real tokens' outputs added in
         res = flat if residual is x else ops.flat_rows(residual)  # (B * N, C')
@@ -432,7 +436,7 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
             g = g.view(3, b, H, n, D)  # (3, b, H, n, D)
         else:
             g = qkv.index_select(0, at.view(-1)).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
-        q, k, v = g.unbind(0)  # (b, H, n, D) each
+        q, k, v = ops.unbind_views(g)  # (b, H, n, D) each
         q, k = view.q_norm(q), view.k_norm(k)
         padded = not all(state.counts[i] == n for i in rows)
         og, ig = _attention(view, q, k, v, ops.cast(real, state.keep.dtype) if padded else None,
@@ -464,7 +468,7 @@ def _block(blk: nn.Module, view: BlockView, x: Tensor, state: TokenState, cfg: R
         x, importance, metric = _whole_attention(view, x, state, cfg)
     x, state, step = reduce_step(x, state, cfg, layer, importance, metric, getattr(blk, "merge_threshold", None),
                                  getattr(blk, "prune_threshold", None), rate, kind)
-    x = _tokenwise(view.mlp, x, _packed_index(state, cfg), x)  # (B, N', C)
+    x = _tokenwise(view.mlp, x, _packed_index(state, cfg), x, matrix=view.mlp_rows)  # (B, N', C)
     return x, state, step
 
 
@@ -480,10 +484,8 @@ def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceC
     else:
         rows = _packed_index(state, cfg)
         qkv = _tokenwise(lambda t: view.qkv(view.norm1(t)), x, rows)  # (B, N, 3 * H * D)
-    qkv = ops.reshaped(qkv, B, N, 3, view.heads, view.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
-    if cfg.needs_importance:  # explicit attention (or the lse pass): one copy of q, k and v, not one each
-        qkv = qkv.contiguous()
-    q, k, v = qkv.unbind(0)  # (B, H, N, D) each
+    # explicit attention (or the lse pass): one contiguous copy of q, k and v, not one each
+    q, k, v = ops.qkv_heads(qkv, view.heads, contiguous=cfg.needs_importance)  # (B, H, N, D) each
     q, k = view.q_norm(q), view.k_norm(k)
     keep = state.keep if state.masked_once else None
     o, importance = _attention(view, q, k, v, keep, log_size(state), cfg,
