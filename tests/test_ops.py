@@ -392,14 +392,18 @@ def test_importance_from_log_sum_exp_equals_the_explicit_probabilities(kind, mas
     assert torch.allclose(fused_out.transpose(1, 2)[real], out.transpose(1, 2)[real], atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_head_mean_is_the_mean_over_heads_bit_for_bit(dtype):
-    # as timm's attention makes the keys: a strided slice of the permuted qkv projection; 6 heads (not a power of 2)
+@pytest.mark.parametrize("heads", [4, 6])
+def test_head_sum_gives_the_similarities_of_the_mean_over_heads(heads):
+    # as timm's attention makes the keys: a strided slice of the permuted qkv projection
     g = torch.Generator().manual_seed(0)
-    qkv_proj = torch.randn(3, 11, 3, 6, 8, generator=g, dtype=dtype).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
-    k = qkv_proj.unbind(0)[1]  # (B, H, N, D)
-    assert torch.equal(ops.head_mean(k), k.mean(1))
-    assert torch.equal(ops.head_mean(k.contiguous()), k.contiguous().mean(1))
+    for dtype in (torch.float32, torch.float64):
+        qkv_proj = torch.randn(3, 11, 3, heads, 8, generator=g, dtype=dtype).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
+        k = qkv_proj.unbind(0)[1]  # (B, H, N, D)
+        got, ref = ops.cosine_similarity(ops.head_sum(k), 2), ops.cosine_similarity(k.mean(1), 2)  # (B, Na, Nb)
+        if heads == 4:  # a power of 2: the same bits
+            assert torch.equal(got, ref)
+        else:
+            assert torch.allclose(got, ref, atol=1e-12 if dtype == torch.float64 else 1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("contiguous", [False, True])
@@ -417,6 +421,16 @@ def test_qkv_heads_split_as_timm_does(contiguous, grad):
     if grad:  # the gradient reaches the projection
         sum(t.sum() * (i + 1) for i, t in enumerate(got)).backward()
         assert torch.equal(proj.grad, torch.arange(1., 4.).repeat_interleave(12).expand(2, 5, 36).double())
+
+
+def test_heads_merged_are_the_token_rows_of_the_heads():
+    g = torch.Generator().manual_seed(0)
+    fused = torch.randn(2, 5, 3, 4, generator=g).transpose(1, 2)  # (B, H, N, D) laid out (B, N, H, D), as SDPA's
+    explicit = torch.randn(2, 3, 5, 4, generator=g)  # (B, H, N, D) contiguous, as a bmm's
+    for o in (fused, explicit, fused[:, :, 1:]):
+        got = ops.heads_merged(o)
+        assert got.shape == (2, o.shape[2], 12) and torch.equal(got, o.transpose(1, 2).reshape(2, -1, 12))
+    assert ops.heads_merged(fused).data_ptr() == fused.data_ptr()  # a view
 
 
 def test_kept_constants_are_real_tensors_made_outside_tensor_modes():

@@ -102,33 +102,34 @@ def flat_rows(t: Tensor) -> Tensor:
 
 
 def _views(t: Tensor) -> bool:
-    """Whether :func:`unbind_views` and the like may take ``as_strided`` views of ``t``: not while tracing (named
+    """Whether :func:`qkv_heads` and the like may take ``as_strided`` views of ``t``: not while tracing (named
     views trace more simply) and not with gradients (``as_strided``'s backward is slow)."""
     return not (tracing() or t.requires_grad)
 
 
-def unbind_views(t: Tensor) -> tuple[Tensor, ...]:
-    """``t.unbind(0)``, as strided views where :func:`_views` allows: one operator call per slice where
-    ``unbind`` makes 1 + 2 per slice."""
-    if not _views(t):
-        return t.unbind(0)
-    size, stride, step, off = t.shape[1:], t.stride()[1:], t.stride(0), t.storage_offset()
-    return tuple(t.as_strided(size, stride, off + i * step) for i in range(t.shape[0]))
-
-
 def qkv_heads(qkv: Tensor, heads: int, contiguous: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """q, k and v (B, H, N, D) from a qkv projection (B, N, 3 * H * D), split as timm's attention splits it:
-    ``reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)`` (10 operator calls), or with ``contiguous`` after
-    one copy of all three (explicit attention reads them whole). Where :func:`_views` allows, the permuted tensor
-    is one strided view and its slices are too (4 calls)."""
+    ``reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)``, or with ``contiguous`` after one copy of all
+    three (explicit attention reads them whole). Where :func:`_views` allows, the permuted tensor is one strided
+    view (2 operator calls fewer, and less host time, than the reshape and the permute)."""
     B, N, C3 = qkv.shape
     D = C3 // (3 * heads)
     if contiguous or not _views(qkv):
         t = reshaped(qkv, B, N, 3, heads, D).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
-        return unbind_views(t.contiguous() if contiguous else t)  # (B, H, N, D) each
-    sB, sN, sC = qkv.stride()  # the permuted view above, taken directly
+        return (t.contiguous() if contiguous else t).unbind(0)  # (B, H, N, D) each
+    sB, sN, sC = qkv.stride()
     t = qkv.as_strided((3, B, heads, N, D), (heads * D * sC, sB, D * sC, sN, sC), qkv.storage_offset())
-    return unbind_views(t)  # (B, H, N, D) each
+    return t.unbind(0)  # (B, H, N, D) each
+
+
+def heads_merged(o: Tensor) -> Tensor:
+    """Attention output (B, H, N, D) as token rows (B, N, H * D): ``o.transpose(1, 2).reshape(B, N, H * D)``. A
+    fused kernel's output is laid out (B, N, H, D); there, where :func:`_views` allows, one strided view (2
+    operator calls fewer)."""
+    B, H, N, D = o.shape
+    if _views(o) and o.stride() == (N * H * D, D, H * D, 1):
+        return o.as_strided((B, N, H * D), (N * H * D, H * D, 1), o.storage_offset())  # (B, N, H * D)
+    return reshaped(o.transpose(1, 2), B, N, H * D)  # (B, N, H * D)
 
 
 def every_other_row(u: Tensor, first: int, transposed: bool = False) -> Tensor:
@@ -230,13 +231,12 @@ def patch_tokens(n: int, num_prefix: int, device: torch.device) -> Tensor:
     return _cached(("patches", n, num_prefix, device), lambda: positions(n, device) >= num_prefix)
 
 
-def head_mean(k: Tensor) -> Tensor:
-    """ToMe's merge metric: the keys averaged over heads, (B, H, N, D) -> (B, N, D). On the CPU in float32/64 it
-    is what ``mean`` computes there, a sum and then a division by H, in 4 operator calls instead of 9 (``mean``
-    converts H for each call); elsewhere ``mean`` itself."""
-    if k.device.type != "cpu" or k.dtype not in (torch.float32, torch.float64) or tracing():
-        return k.mean(1)
-    return k.sum(1).div_(scalar(k.shape[1], k))  # (B, N, D)
+def head_sum(k: Tensor) -> Tensor:
+    """ToMe's merge metric, the keys averaged over heads, without the division by H: (B, H, N, D) -> (B, N, D).
+    Only its cosine similarities are used, which do not change with the scale (with a power-of-2 H not even in
+    rounding); the division would be one more operator call (``mean`` makes 9 on the CPU, converting H each
+    time)."""
+    return k.sum(1)  # (B, N, D)
 
 
 def threshold_mask(scores: Tensor, threshold: Tensor, tau: float) -> Tensor:

@@ -390,12 +390,6 @@ def _attention(view: BlockView, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | 
     return o, importance  # (B, H, N, D), (B, N) or None
 
 
-def _heads_merged(o: Tensor) -> Tensor:
-    """Attention output (B, H, N, D) as token rows (B, N, H * D)."""
-    B, H, N, D = o.shape
-    return ops.reshaped(o.transpose(1, 2), B, N, H * D)
-
-
 def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceConfig, buckets) -> tuple:
     """The attention half of a block for a padded eval batch, run per group of similar token counts.
 
@@ -436,7 +430,7 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
             g = g.view(3, b, H, n, D)  # (3, b, H, n, D)
         else:
             g = qkv.index_select(0, at.view(-1)).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
-        q, k, v = ops.unbind_views(g)  # (b, H, n, D) each
+        q, k, v = g.unbind(0)  # (b, H, n, D) each
         q, k = view.q_norm(q), view.k_norm(k)
         padded = not all(state.counts[i] == n for i in rows)
         og, ig = _attention(view, q, k, v, ops.cast(real, state.keep.dtype) if padded else None,
@@ -445,13 +439,13 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
         if og.is_contiguous():  # (explicit attention) head by head into o's rows of D: no transposed copy
             o.view(-1, D).index_copy_(0, (at.view(b, 1, n) * H + head_out).view(-1), ops.cast(og.view(-1, D), o.dtype))
         else:
-            o.index_copy_(0, at.view(-1), ops.cast(ops.flat_rows(_heads_merged(og)), o.dtype))
+            o.index_copy_(0, at.view(-1), ops.cast(ops.flat_rows(ops.heads_merged(og)), o.dtype))
         if ig is not None:
             if importance is None:
                 importance = ig.new_zeros(B, N)  # (B, N)
             importance[:, :n].index_copy_(0, sel, ops.cast(ig, importance.dtype))  # (B, N)
         if cfg.needs_metric:
-            metric[:, :n].index_copy_(0, sel, ops.cast(ops.head_mean(k), metric.dtype))  # (B, N, D)
+            metric[:, :n].index_copy_(0, sel, ops.cast(ops.head_sum(k), metric.dtype))  # (B, N, D)
     out = view.out(view.head_norm(o[:T]))  # (T, C)
     x = packed.add(ops.flat_rows(x), out).view(B, N, C)  # (B, N, C)
     return x, importance, metric
@@ -490,12 +484,12 @@ def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceC
     keep = state.keep if state.masked_once else None
     o, importance = _attention(view, q, k, v, keep, log_size(state), cfg,
                                size_masks_padding(state))  # (B, H, N, D), (B, N) or None
-    o = _heads_merged(o)  # (B, N, H * D)
+    o = ops.heads_merged(o)  # (B, N, H * D)
     if gate is not None:
         x = x + view.out(view.head_norm(o) * gate)  # (B, N, C)
     else:
         x = _tokenwise(lambda t: view.out(view.head_norm(t)), o, rows, x)  # (B, N, C)
-    return x, importance, ops.head_mean(k) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
+    return x, importance, ops.head_sum(k) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
 
 
 def score_ranges(model: nn.Module) -> dict[str, tuple[float, float]]:
