@@ -578,7 +578,7 @@ def best_match(metric: Tensor, is_a: Tensor, is_b: Tensor) -> tuple[Tensor, Tens
     """Similarity score of each A token: its highest cosine similarity with any B token (ToMe).
 
     Args:
-        metric: (B, N, D) keys averaged over heads.
+        metric: (B, N, D) keys summed over heads (ops.head_sum; any scale).
         is_a, is_b: (B, N) set masks from :func:`bipartite_sets`.
 
     Returns:
@@ -600,7 +600,7 @@ def best_match_contiguous(metric: Tensor, keep: Tensor, num_prefix: int) -> tupl
     stay in sequence order, so ties resolve exactly as in :func:`best_match`.
 
     Args:
-        metric: (B, N, D) keys averaged over heads.
+        metric: (B, N, D) keys summed over heads (ops.head_sum; any scale).
         keep: (B, N) survivors, all at the front of each row (padding after them).
         num_prefix: Prefix tokens at the front.
 
@@ -744,24 +744,27 @@ def slots(alive: Tensor, counts: list[int] | None = None, rank: Tensor | None = 
 def into_rows(flat: Tensor, rows: Tensor, total: int, add: bool = True) -> Tensor:
     """The rows of ``flat`` (M, ...) summed (``add``) or copied into ``rows`` (M,) of a (total, ...) tensor, 0 where
     nothing lands. Token rows (M, K) move with ``index_add_`` / ``index_copy_`` of whole rows (2-3x faster than a
-    scatter along dim 1 on the CPU), sizes (M,) with a scatter (2 operator calls, ``index_add_`` makes 3)."""
+    scatter along dim 1 on the CPU), sizes (M,) or (M, 1) with a scatter (2 operator calls, ``index_add_`` makes
+    3-4)."""
     out = torch.zeros(total, *flat.shape[1:], dtype=flat.dtype, device=flat.device)  # (total, ...)
-    if flat.dim() == 1:
-        return out.scatter_add_(0, rows, flat) if add else out.scatter_(0, rows, flat)
+    if flat.dim() == 1 or flat.shape[1] == 1:
+        index = rows if flat.dim() == 1 else rows.view(-1, 1)  # (M,) or (M, 1)
+        return out.scatter_add_(0, index, flat) if add else out.scatter_(0, index, flat)
     return out.index_add_(0, rows, flat) if add else out.index_copy_(0, rows, flat)
 
 
 def weighted_sums(x: Tensor, size: Tensor, rows: Tensor, total: int, weighted: bool = True
                   ) -> tuple[Tensor, Tensor]:
     """Eq. 7's sums: the tokens x (B, N, C) times their sizes (B, N) and the sizes, each added into its row of
-    ``rows`` (B * N,): (total, C) and (total,), in at least the size dtype (fp32 under AMP). ``weighted``: some size
-    may differ from 1 (else x is added as it is)."""
+    ``rows`` (B * N,): (total, C) and (total, 1), in at least the size dtype (fp32 under AMP). ``weighted``: some
+    size may differ from 1 (else x is added as it is). The sizes stay a column, as the division by them wants them
+    (2 reshapes fewer than a scatter of (B * N,) sizes)."""
     dt = promote(x.dtype, size.dtype)
-    s = reshaped(cast(size, dt), -1)  # (B * N,)
+    s = reshaped(cast(size, dt), -1, 1)  # (B * N, 1)
     xw = flat_rows(cast(x, dt))  # (B * N, C)
     if weighted:
-        xw = xw * s.view(-1, 1)  # (B * N, C)
-    return into_rows(xw, rows, total), into_rows(s, rows, total)  # (total, C), (total,)
+        xw = xw * s  # (B * N, C)
+    return into_rows(xw, rows, total), into_rows(s, rows, total)  # (total, C), (total, 1)
 
 
 def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Tensor | None, merged: bool
@@ -781,10 +784,10 @@ def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Te
         size = cut(into_rows(reshaped(size, -1), rows, total, add=False))  # (B, N')
     else:  # every survivor becomes the size-weighted average of its group (one pass: those that received
         # nothing are x * s / s, equal to x up to rounding, as a batched matmul differs from a single one)
-        num, den = (cut(t) for t in weighted_sums(x, size, rows, total))  # (B, N', C), (B, N'); den 0 for padding
-        den_c = den.clamp_min(1.0).view(B, n_new, 1)  # (B, N', 1)
+        num, den = (cut(t) for t in weighted_sums(x, size, rows, total))  # (B, N', C), (B, N', 1); 0 for padding
+        den_c = den.clamp_min(1.0)  # (B, N', 1)
         x = cast(num / den_c if num.requires_grad else num.div_(den_c), x.dtype)  # (B, N', C)
-        size = cast(den, size.dtype)  # (B, N')
+        size = cast(den.view(B, n_new), size.dtype)  # (B, N')
     if source is not None:
         source = cut(into_rows(flat_rows(source), rows, total))  # (B, N', N0) patch maps add up
     return x, size, source, _hard(size).sign()  # every real token stands for >= 1 patch, padding for 0

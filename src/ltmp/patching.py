@@ -320,19 +320,15 @@ def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) ->
     return state.packed[1]
 
 
-def _tokenwise(fn, x: Tensor, rows: ops.PackedRows | None, residual: Tensor | None = None,
-               matrix: bool = False) -> Tensor:
+def _tokenwise(fn, x: Tensor, rows: ops.PackedRows | None, residual: Tensor | None = None) -> Tensor:
     """``fn`` applied to the tokens of x (B, N, C), plus ``residual`` (B, N, C') if given; only at the packed
     ``rows`` if given (padding gets 0, or keeps its residual). Without gradients the residual stream of a padded
     batch gets the outputs added in place: it is the block's own tensor, never read again (this saves a copy of it
-    per layer). ``matrix`` (``BlockView.mlp_rows``): ``fn`` takes the tokens as rows (B * N, C) also unpacked;
-    with the residual x it does (a linear layer on a matrix makes 2 operator calls fewer than on (B, N, C))."""
-    B, N, _ = x.shape
-    if rows is None and not (matrix and residual is x):
-        return fn(x) if residual is None else residual + fn(x)
-    flat = ops.flat_rows(x)  # (B * N, C)
+    per layer)."""
     if rows is None:
-        return (flat + fn(flat)).view(B, N, -1)  # (B, N, C)
+        return fn(x) if residual is None else residual + fn(x)
+    B, N, _ = x.shape
+    flat = ops.flat_rows(x)  # (B * N, C)
     out = fn(rows.take(flat))  # (T, C')
     if residual is not None:  # one pass: the residual stream with the real tokens' outputs added in
         res = flat if residual is x else ops.flat_rows(residual)  # (B * N, C')
@@ -462,7 +458,7 @@ def _block(blk: nn.Module, view: BlockView, x: Tensor, state: TokenState, cfg: R
         x, importance, metric = _whole_attention(view, x, state, cfg)
     x, state, step = reduce_step(x, state, cfg, layer, importance, metric, getattr(blk, "merge_threshold", None),
                                  getattr(blk, "prune_threshold", None), rate, kind)
-    x = _tokenwise(view.mlp, x, _packed_index(state, cfg), x, matrix=view.mlp_rows)  # (B, N', C)
+    x = _tokenwise(view.mlp, x, _packed_index(state, cfg), x)  # (B, N', C)
     return x, state, step
 
 

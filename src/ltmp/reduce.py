@@ -227,7 +227,7 @@ def reduce_step(
         layer: Block index (for per-layer fixed rates).
         importance: (B, N) importance scores (:func:`ltmp.ops.importance_scores` of this block's attention), if
             the method prunes.
-        metric: (B, N, D) keys averaged over heads, if the method merges.
+        metric: (B, N, D) keys summed over heads (ops.head_sum; any scale), if the method merges.
         merge_threshold, prune_threshold: Learned thresholds (scalars), for the threshold methods.
         rate: The fixed-rate methods' tokens for this block, if already looked up (``cfg.rate[layer]``); the
             patched forward passes it so that compiled blocks guard on the rate, not on the block index.
@@ -702,8 +702,8 @@ def _sum_into_slots(slot: Tensor, n: int, x: Tensor, size: Tensor, source: Tenso
     weights). The sums are :func:`ltmp.ops.weighted_sums`, as the compact step's."""
     B, N, C = x.shape
     rows = slot.view(-1)  # (B * N,)
-    num, den = ops.weighted_sums(x, size, rows, B * n, weighted)  # (B * n, C), (B * n,) sizes add up
-    x = ops.cast(num.div_(den.view(B * n, 1)).view(B, n, C), x.dtype)  # (B, n, C)
+    num, den = ops.weighted_sums(x, size, rows, B * n, weighted)  # (B * n, C), (B * n, 1) sizes add up
+    x = ops.cast(num.div_(den).view(B, n, C), x.dtype)  # (B, n, C)
     den = den.view(B, n)  # (B, n)
     if source is not None:
         source = ops.into_rows(ops.flat_rows(source), rows, B * n).view(B, n, -1)  # (B, n, N0)

@@ -46,8 +46,6 @@ class BlockView:
     gate: Callable[[Tensor], Tensor] | None = None  # (..., C) normed input -> (..., H * D) multiplier of the
     #                                                 normed heads' output (timm's gated attention)
     fused: bool = True  # the family allows scaled_dot_product_attention here
-    mlp_rows: bool = False  # mlp may also take the tokens of a whole batch as rows (B * N, C): nothing in it
-    #                         operates per image (drop path in train mode) or sees the shape (forward hooks)
 
 
 def linear_macs(*mods: nn.Module | None) -> float:

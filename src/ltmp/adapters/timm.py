@@ -66,9 +66,8 @@ class TimmAdapter(Adapter):
         gate = None if getattr(attn, "gate", None) is None else (lambda y: attn.gate(y).sigmoid())
         # dropout in eval is the identity: not called (each call costs host time, and on a GPU it is all host time)
         proj_drop = attn.proj_drop if attn.proj_drop.training else identity
-        plain = type(mlp).forward is _mlp_forward() and not (mlp.drop1.training or mlp.drop2.training
-                                                              or _has_forward_hooks(mlp))
-        if plain:
+        if type(mlp).forward is _mlp_forward() and not (mlp.drop1.training or mlp.drop2.training
+                                                         or _has_forward_hooks(mlp)):
             mlp = lambda t: blk.mlp.fc2(blk.mlp.norm(blk.mlp.act(blk.mlp.fc1(t))))  # noqa: E731 timm's Mlp
         return BlockView(
             norm1=blk.norm1, qkv=attn.qkv, heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
@@ -76,9 +75,7 @@ class TimmAdapter(Adapter):
             out=lambda t: blk.drop_path1(blk.ls1(proj_drop(attn.proj(t)))),
             mlp=lambda t: blk.drop_path2(blk.ls2(mlp(blk.norm2(t)))),
             q_norm=attn.q_norm, k_norm=attn.k_norm, head_norm=getattr(attn, "norm", None) or identity, gate=gate,
-            fused=bool(attn.fused_attn),
-            mlp_rows=plain and not blk.training and not any(map(_has_forward_hooks, (blk.norm2, blk.ls2,
-                                                                                     blk.drop_path2))))
+            fused=bool(attn.fused_attn))
 
     def num_prefix(self, model: nn.Module) -> int:
         return int(model.num_prefix_tokens)
