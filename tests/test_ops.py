@@ -410,7 +410,7 @@ def test_head_sum_gives_the_similarities_of_the_mean_over_heads(heads):
 @pytest.mark.parametrize("grad", [False, True])
 def test_qkv_heads_split_as_timm_does(contiguous, grad):
     # channels of a wider projection (not contiguous): the strides must come from the tensor, not its shape
-    wide = torch.randn(2, 5, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    wide = torch.randn(3, 5, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))[1:]  # offset
     proj = wide[..., :36].requires_grad_(grad) if grad else wide[..., :36]  # (B, N, 3 * H * D), H 3, D 4
     ref = proj.reshape(2, 5, 3, 3, 4).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, D) each
     got = ops.qkv_heads(proj, 3, contiguous=contiguous)
@@ -427,7 +427,7 @@ def test_heads_merged_are_the_token_rows_of_the_heads():
     g = torch.Generator().manual_seed(0)
     fused = torch.randn(2, 5, 3, 4, generator=g).transpose(1, 2)  # (B, H, N, D) laid out (B, N, H, D), as SDPA's
     explicit = torch.randn(2, 3, 5, 4, generator=g)  # (B, H, N, D) contiguous, as a bmm's
-    for o in (fused, explicit, fused[:, :, 1:]):
+    for o in (fused, explicit, fused[:, :, 1:], torch.randn(3, 5, 3, 4, generator=g).transpose(1, 2)[1:]):
         got = ops.heads_merged(o)
         assert got.shape == (2, o.shape[2], 12) and torch.equal(got, o.transpose(1, 2).reshape(2, -1, 12))
     assert ops.heads_merged(fused).data_ptr() == fused.data_ptr()  # a view

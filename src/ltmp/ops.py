@@ -104,7 +104,7 @@ def flat_rows(t: Tensor) -> Tensor:
 def _views(t: Tensor) -> bool:
     """Whether :func:`qkv_heads` and the like may take ``as_strided`` views of ``t``: not while tracing (named
     views trace more simply) and not with gradients (``as_strided``'s backward is slow)."""
-    return not (tracing() or t.requires_grad)
+    return not (tracing() or torch.jit.is_tracing() or t.requires_grad)
 
 
 def qkv_heads(qkv: Tensor, heads: int, contiguous: bool = False) -> tuple[Tensor, Tensor, Tensor]:
@@ -140,7 +140,7 @@ def every_other_row(u: Tensor, first: int, transposed: bool = False) -> Tensor:
         return rows.transpose(1, 2) if transposed else rows
     B, N, D = u.shape
     sB, sN, sD = u.stride()
-    n = (N - first + 1) // 2
+    n = max(0, (N - first + 1) // 2)
     size, stride = ((B, D, n), (sB, sD, 2 * sN)) if transposed else ((B, n, D), (sB, 2 * sN, sD))
     return u.as_strided(size, stride, u.storage_offset() + first * sN)
 
@@ -747,7 +747,7 @@ def into_rows(flat: Tensor, rows: Tensor, total: int, add: bool = True) -> Tenso
     scatter along dim 1 on the CPU), sizes (M,) or (M, 1) with a scatter (2 operator calls, ``index_add_`` makes
     3-4)."""
     out = torch.zeros(total, *flat.shape[1:], dtype=flat.dtype, device=flat.device)  # (total, ...)
-    if flat.dim() == 1 or flat.shape[1] == 1:
+    if flat.dim() == 1 or (flat.dim() == 2 and flat.shape[1] == 1):
         index = rows if flat.dim() == 1 else rows.view(-1, 1)  # (M,) or (M, 1)
         return out.scatter_add_(0, index, flat) if add else out.scatter_(0, index, flat)
     return out.index_add_(0, rows, flat) if add else out.index_copy_(0, rows, flat)
