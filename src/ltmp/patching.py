@@ -423,10 +423,9 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
         at = start + torch.minimum(pos, count - 1)  # (b, n) packed row of each position
         if cfg.needs_importance:  # explicit attention: q, k and v gathered head by head, contiguous
             g = ops.reshaped(qkv, T * 3 * H, D).index_select(0, (at.view(1, b, 1, n) * (3 * H) + head_qkv).view(-1))
-            g = g.view(3, b, H, n, D)  # (3, b, H, n, D)
-        else:
-            g = qkv.index_select(0, at.view(-1)).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
-        q, k, v = g.unbind(0)  # (b, H, n, D) each
+            q, k, v = g.view(3, b, H, n, D).unbind(0)  # (b, H, n, D) each
+        else:  # timm's split of the group's qkv rows
+            q, k, v = ops.qkv_heads(qkv.index_select(0, at.view(-1)).view(b, n, -1), H)  # (b, H, n, D) each
         q, k = view.q_norm(q), view.k_norm(k)
         padded = not all(state.counts[i] == n for i in rows)
         og, ig = _attention(view, q, k, v, ops.cast(real, state.keep.dtype) if padded else None,
