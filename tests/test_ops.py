@@ -368,6 +368,39 @@ def test_contract_merges_into_survivors_and_compacts_in_order():
     assert syncs.count == 0 and torch.equal(again[0], out)
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["pruned", "merged"])
+@pytest.mark.parametrize("padded_out", [True, False], ids=["padding-out", "no-padding-out"])
+def test_contract_of_packed_rows_equals_the_padded_batch(merged, padded_out):
+    """The packed stream: x given as the rows (T, C) of the real tokens of a padded batch comes out as the rows of
+    the new real tokens, image by image, with the same bits as the padded batch's compaction; as (B, N', C) when
+    no image is padded after the step."""
+    torch.manual_seed(0)
+    B, N, C = 3, 7, 5
+    counts_in = [7, 5, 6]  # real tokens entering; padding at the end of images 1 and 2
+    real_in = torch.arange(N) < torch.tensor(counts_in).view(B, 1)  # (B, N)
+    x = torch.randn(B, N, C, dtype=torch.float64) * real_in[..., None]
+    size = torch.randint(1, 4, (B, N)).double() * real_in
+    alive = real_in & (torch.rand(B, N) > 0.4)
+    alive[:, 0] = True
+    if not padded_out:  # every image keeps its first four real tokens
+        alive = real_in & (torch.arange(N) < 4)
+    merge = dst = None
+    if merged:  # each removed real token merges into a random earlier survivor (position 0 always survives)
+        merge = real_in & ~alive
+        dst = torch.stack([torch.tensor([int(torch.randint(0, max(1, j), ())) if merge[b, j] else 0
+                                         for j in range(N)]) for b in range(B)])
+        dst = torch.where(alive.gather(1, dst), dst, torch.zeros_like(dst))
+    ref, ref_size, _, ref_keep, counts = ops.contract(alive, x, size, None, merge, dst)
+    flat = real_in.view(-1).nonzero().squeeze(1)  # (T,) the packed rows' flat positions
+    rows, new_size, _, keep, again = ops.contract(alive, x.view(-1, C)[flat], size, None, merge, dst, real=flat)
+    assert again == counts and torch.equal(new_size, ref_size) and torch.equal(keep, ref_keep)
+    if padded_out:
+        assert rows.shape == (sum(counts), C)
+        assert torch.equal(rows, ref.view(-1, C)[ref_keep.view(-1) > 0])  # the same bits, image by image
+    else:
+        assert torch.equal(rows, ref)  # (B, N', C): nothing to skip
+
+
 @pytest.mark.parametrize("kind", ["mean", "cls"])
 @pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
 def test_importance_from_log_sum_exp_equals_the_explicit_probabilities(kind, masked):

@@ -41,23 +41,27 @@ def test_train_mode_equals_eval_mode(config, method, options):
 
 @pytest.mark.parametrize("method", ["ltmp", "ltpm"])
 def test_packed_token_wise_layers_equal_the_padded_batch(config, method, monkeypatch):
-    """Eval batches with padding run norms/qkv/proj/MLP on the real tokens only; nothing else may change."""
+    """Eval batches with padding run norms/qkv/proj/MLP on the real tokens only, and the tokens travel between
+    layers as packed rows (T, C), also through compaction; nothing else may change."""
     from ltmp import patching
 
     model = patched(config, method, THRESHOLDS)
     x = images(6)
-    calls = []
-    real = patching._tokenwise
-    monkeypatch.setattr(patching, "_tokenwise",
-                        lambda fn, t, idx, res=None: calls.append(idx is not None) or real(fn, t, idx, res))
+    calls, dims = [], []
+    real, step = patching._packed_index, patching.reduce_step
+    monkeypatch.setattr(patching, "_packed_index",
+                        lambda *a, **k: (lambda rows: calls.append(rows is not None) or rows)(real(*a, **k)))
+    monkeypatch.setattr(patching, "reduce_step", lambda t, *a, **k: dims.append(t.dim()) or step(t, *a, **k))
     with torch.no_grad():
         packed = model(x)
         kept = ltmp.stats(model).kept
         assert any(calls), "the batch must have padding to skip"
+        assert 2 in dims, "some block must reduce packed rows"
         model.ltmp_config.execution.pack_above = 1.0  # never pack
-        calls.clear()
+        calls.clear(), dims.clear()
         padded = model(x)
-        assert not any(calls)
+        assert not any(calls) and set(dims) == {3}
+    assert packed.shape == padded.shape == (6, model.num_classes)
     assert torch.equal(ltmp.stats(model).kept, kept)
     assert torch.allclose(packed, padded, atol=1e-12, rtol=0), (packed - padded).abs().max()
 

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import threading
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -232,11 +233,11 @@ def patch_tokens(n: int, num_prefix: int, device: torch.device) -> Tensor:
 
 
 def head_sum(k: Tensor) -> Tensor:
-    """ToMe's merge metric, the keys averaged over heads, without the division by H: (B, H, N, D) -> (B, N, D).
-    Only its cosine similarities are used, which do not change with the scale (with a power-of-2 H not even in
-    rounding); the division would be one more operator call (``mean`` makes 9 on the CPU, converting H each
-    time)."""
-    return k.sum(1)  # (B, N, D)
+    """ToMe's merge metric, the keys averaged over heads, without the division by H: (B, H, N, D) -> (B, N, D), or
+    token rows (T, H, D) -> (T, D). Only its cosine similarities are used, which do not change with the scale
+    (with a power-of-2 H not even in rounding); the division would be one more operator call (``mean`` makes 9 on
+    the CPU, converting H each time)."""
+    return k.sum(1)  # (B, N, D) or (T, D)
 
 
 def threshold_mask(scores: Tensor, threshold: Tensor, tau: float) -> Tensor:
@@ -702,8 +703,8 @@ def group_max(scores: Tensor, merge: Tensor, dst: Tensor) -> Tensor:
 
 
 def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = None, merge: Tensor | None = None,
-             dst: Tensor | None = None, counts: list[int] | None = None, rank: Tensor | None = None
-             ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, list[int]]:
+             dst: Tensor | None = None, counts: list[int] | None = None, rank: Tensor | None = None,
+             real: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor, list[int]]:
     """Eval mode: compaction, with the merges of eq. 7 (size-weighted averages, sizes add up) in the same scatter.
 
     Each surviving token goes to its slot (its rank among the image's survivors, so order is kept); a token
@@ -713,19 +714,22 @@ def contract(alive: Tensor, x: Tensor, size: Tensor, source: Tensor | None = Non
 
     Args:
         alive: (B, N) bool, the tokens that survive the block.
-        x: (B, N, C) tokens; size: (B, N) patches per token; source: (B, N, N0) patch map, or None.
+        x: (B, N, C) tokens, or the packed rows (T, C) of the real ones at the flat positions ``real`` (T,).
+        size: (B, N) patches per token; source: (B, N, N0) patch map, or None.
         merge: (B, N) bool, tokens merged away into ``dst`` (B, N) positions, or None.
         counts: each image's survivors, if known on the host: then nothing is read back.
         rank: ``alive.cumsum(1)``, if the caller has it (:func:`slots`).
+        real: see x.
 
     Returns:
-        x (B, N', C), size (B, N'), source (B, N', N0) or None, the new keep mask (B, N') and ``counts`` (read
-        back from the device when not given: the one host synchronisation of a learned-threshold block).
+        x (B, N', C) (packed input: packed rows of the survivors (T', C), or (B, N', C) if no image is padded),
+        size (B, N'), source (B, N', N0) or None, the new keep mask (B, N') and ``counts`` (read back from the
+        device when not given: the one host synchronisation of a learned-threshold block).
     """
     target, counts = slots(alive, counts, rank)  # (B, N)
     if merge is not None:  # a token merged into a survivor joins its slot (into a removed token: the dump)
         target = torch.where(merge, target.gather(1, dst), target)  # (B, N)
-    return gather_slots(target, max(counts), x, size, source, merge is not None) + (counts,)
+    return gather_slots(target, max(counts), x, size, source, merge is not None, real, sum(counts)) + (counts,)
 
 
 def slots(alive: Tensor, counts: list[int] | None = None, rank: Tensor | None = None) -> tuple[Tensor, list[int]]:
@@ -767,18 +771,28 @@ def weighted_sums(x: Tensor, size: Tensor, rows: Tensor, total: int, weighted: b
     return into_rows(xw, rows, total), into_rows(s, rows, total)  # (total, C), (total, 1)
 
 
-def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Tensor | None, merged: bool
-                 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Tensor | None, merged: bool,
+                 real: Tensor | None = None, n_real: int = 0) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """The tokens x (B, N, C), sizes (B, N) and patch maps (B, N, N0) summed into their rows ``target`` (B, N) of
     :func:`slots`, ``n_new`` per image plus the dump row (cut off): each slot's tokens as a size-weighted average if
     ``merged`` (sizes add up), else a copy. Returns x (B, n_new, C), size (B, n_new), source (B, n_new, N0) or None
-    (contiguous) and the keep mask (B, n_new), 1 at real tokens and 0 at padding."""
+    (contiguous) and the keep mask (B, n_new), 1 at real tokens and 0 at padding.
+
+    x may be the packed rows (T, C) of the real tokens at the flat positions ``real`` (T,) of the (B, N) batch;
+    x is then returned as packed rows of the ``n_real`` new real tokens (T', C), in their order (image by image),
+    or as (B, n_new, C) if no image is padded. The same sums in the same order as the padded batch's: the same bits."""
     B = target.shape[0]
     rows, total = target.view(-1), B * n_new + 1  # (B * N,), rows of the output with the dump row
 
     def cut(t: Tensor) -> Tensor:  # (total, ...) -> (B, n_new, ...) without the dump row
         return t[:B * n_new].view(B, n_new, *t.shape[1:])
 
+    if real is not None:  # packed rows
+        x = _packed_slots(target, real, n_real, x, size, n_new, merged)  # (T', C) or (B, N', C)
+        size = cut(into_rows(reshaped(size, -1), rows, total, add=merged))  # (B, N')
+        if source is not None:
+            source = cut(into_rows(flat_rows(source), rows, total))  # (B, N', N0)
+        return x, size, source, _hard(size).sign()
     if not merged:  # survivors only: exact copies
         x = cut(into_rows(flat_rows(x), rows, total, add=False))  # (B, N', C)
         size = cut(into_rows(reshaped(size, -1), rows, total, add=False))  # (B, N')
@@ -791,6 +805,26 @@ def gather_slots(target: Tensor, n_new: int, x: Tensor, size: Tensor, source: Te
     if source is not None:
         source = cut(into_rows(flat_rows(source), rows, total))  # (B, N', N0) patch maps add up
     return x, size, source, _hard(size).sign()  # every real token stands for >= 1 patch, padding for 0
+
+
+def _packed_slots(target: Tensor, real: Tensor, n_real: int, x: Tensor, size: Tensor, n_new: int, merged: bool
+                  ) -> Tensor:
+    """:func:`gather_slots`'s x for packed rows x (T, C) at the flat positions ``real`` (T,) of the (B, N) batch:
+    the ``n_real`` new real tokens as packed rows (T', C), image by image, or (B, n_new, C) when none is padding
+    (the packed order is then the padded one)."""
+    B = target.shape[0]
+    slot = reshaped(target, -1)  # (B * N,)
+    hit = slot.new_zeros(B * n_new + 1).index_fill_(0, slot, 1)  # (B * n_new + 1,) the rows some token lands in
+    # a slot's packed row is the number of slots before it; the dump row (last, hit if anything is removed)
+    # becomes row n_real, cut off
+    rows = hit.cumsum(0).sub_(1).index_select(0, slot.index_select(0, real))  # (T,) each packed row's new row
+    if not merged:
+        out = into_rows(x, rows, n_real + 1, add=False)[:n_real]  # (T', C)
+    else:
+        s = reshaped(size, -1).index_select(0, real)  # (T,)
+        num, den = weighted_sums(x.view(1, *x.shape), s.view(1, -1), rows, n_real + 1)  # (T' + 1, C), (T' + 1, 1)
+        out = cast(num[:n_real].div_(den[:n_real].clamp_min(1.0)), x.dtype)  # (T', C)
+    return out.view(B, n_new, -1) if n_real == B * n_new else out
 
 
 def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buckets: int = 4,
@@ -824,25 +858,25 @@ def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buc
         return None
     if len(ends) > max_splits:
         ends = [ends[round(k * (len(ends) - 1) / (max_splits - 1))] for k in range(max_splits)]
-    pts = [0] + ends + [B]  # candidate group boundaries
-    P, inf = len(pts), float("inf")
+    pts = np.array([0] + ends + [B])  # (P,) candidate group boundaries
+    P = len(pts)
+    # a group over sorted images pts[i]:pts[j] costs (pts[j] - pts[i]) * last[j] + group_cost (its longest last)
+    last = pair_cost * np.array([0] + [c[j - 1] for j in pts[1:]], dtype=np.float64) ** 2  # (P,)
+    span = (pts[None, :] - pts[:, None]) * last[None, :]  # (P, P) [i, j]
+    later = np.triu(np.ones((P, P), dtype=bool), k=1)  # (P, P) i < j: a group ends after it starts
     # best[g][j]: cheapest split of the sorted images before pts[j] into g groups; cut[g][j]: its last start
-    best = [[inf] * P for _ in range(max_buckets + 1)]
-    cut = [[0] * P for _ in range(max_buckets + 1)]
+    best, cut = [np.full(P, np.inf)], [np.zeros(P, dtype=np.int64)]
     best[0][0] = 0.0
-    for g in range(1, max_buckets + 1):
-        for j in range(1, P):
-            last = pair_cost * c[pts[j] - 1] ** 2
-            for i in range(g - 1, j):
-                cost = best[g - 1][i] + (pts[j] - pts[i]) * last + group_cost
-                if cost < best[g][j]:
-                    best[g][j], cut[g][j] = cost, i
+    for _ in range(max_buckets):
+        cost = np.where(later, best[-1][:, None] + span + group_cost, np.inf)  # (P, P)
+        cut.append(cost.argmin(0))  # (P,) the first cheapest start on ties
+        best.append(cost[cut[-1], np.arange(P)])  # (P,)
     g = min(range(1, max_buckets + 1), key=lambda n: best[n][P - 1])
     if g == 1:
         return None
     groups, j = [], P - 1
     while g > 0:
-        i = cut[g][j]
+        i = int(cut[g][j])
         groups.append((order[pts[i]:pts[j]], c[pts[j] - 1]))
         j, g = i, g - 1
     return groups[::-1]

@@ -32,7 +32,9 @@ from .reduce import (
     is_exporting,
     layer_rate,
     log_size,
+    padded_tokens,
     read_splits,
+    real_rows,
     reduce_step,
     size_masks_padding,
     step_kind,
@@ -264,10 +266,11 @@ def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:
     for i, blk in enumerate(adapter.blocks(model)):
         x, state, step = _block(blk, adapter.view(model, blk), x, state, cfg, i, layer_rate(cfg.rate, i), kind)
         steps.append(step)
-        padded.append(x.shape[1])
+        padded.append(state.keep.shape[1])
         if sources is not None:
             sources.append(state.source[:, :, cfg.num_prefix:])
             keeps.append(state.keep > 0.5)
+    x = padded_tokens(x, state)  # (B, N', C)
     if is_exporting() or torch.jit.is_tracing():  # symbolic counts: exported graphs have no record
         return x, state
     rec = dict(method=cfg.method, padded=padded, num_patches=n, num_prefix=cfg.num_prefix, sources=sources,
@@ -307,17 +310,28 @@ def _packed_index(state: TokenState, cfg: ReduceConfig, always: bool = False) ->
     if not (state.compact and state.masked_once) or state.real is None or (
             not (always or is_compiling()) and state.real >= (1 - cfg.execution.pack_above) * state.keep.numel()):
         return None
-    if state.packed is not None and state.packed[0] is state.keep:
-        return state.packed[1]
-    alive = ops.reshaped(state.keep, -1)  # (B * N,) 1 real, 0 padding
-    if hasattr(torch, "nonzero_static"):  # the count is known on the host: no synchronisation
-        # (a top-k over ``position - 2^24 * keep`` makes fewer calls but takes 2-4x the time on the CPU:
-        # benchmarks/packed_index.py)
-        idx = torch.nonzero_static(alive, size=state.real).squeeze(1)  # (T,)
-    else:
-        idx = alive.nonzero().squeeze(1)  # (T,)
-    state.packed = (state.keep, ops.PackedRows(idx))
-    return state.packed[1]
+    return real_rows(state)
+
+
+def _stream_packed() -> bool:
+    """Whether the tokens may travel between layers as packed rows (T, C), the real tokens only, instead of a
+    padded batch (B, N, C): in eval without gradients (the residual adds then run in place), outside tracing,
+    export and torch.compile. Once packed, the norms, qkv, proj and MLP take the rows as they are and compaction
+    maps rows to rows (:func:`ltmp.ops.gather_slots`): no gather before and no scatter after each token-wise
+    layer, and merging sums the real tokens only."""
+    return not (torch.is_grad_enabled() or is_exporting() or torch.jit.is_tracing() or is_compiling())
+
+
+def _mlp(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceConfig) -> Tensor:
+    """The second half of a block on the tokens after the reduction step: padded (B, N, C), or packed rows
+    (T, C) when the stream is packed or starts to be here (there is padding to skip)."""
+    if x.dim() == 2:  # packed rows: the residual add in place (no gradients)
+        return x.add_(view.mlp(x))  # (T, C)
+    rows = _packed_index(state, cfg)
+    if rows is not None and _stream_packed():  # from here on the tokens stay packed
+        xp = rows.take(ops.flat_rows(x))  # (T, C)
+        return xp.add_(view.mlp(xp))  # (T, C)
+    return _tokenwise(view.mlp, x, rows, x)  # (B, N, C)
 
 
 def _tokenwise(fn, x: Tensor, rows: ops.PackedRows | None, residual: Tensor | None = None) -> Tensor:
@@ -396,21 +410,26 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
     host lists (a blocking copy on GPUs, where grouping is off; see ``Execution.group_macs``).
 
     Returns:
-        x after the attention residual (B, N, C), importance (B, N) or None, and the merge metric (B, N, D).
+        The real tokens after the attention residual as packed rows (T, C) (:func:`_stream_packed`), importance
+        (B, N) or None, and the merge metric (B, N, D).
     """
-    B, N, C = x.shape
+    B, N = state.keep.shape
     H, D = view.heads, view.head_dim
     dev = x.device
     packed = _packed_index(state, cfg, always=True)
     T = packed.idx.shape[0]
-    qkv = view.qkv(view.norm1(packed.take(ops.flat_rows(x))))  # (T, 3 * H * D)
+    xp = x if x.dim() == 2 else packed.take(ops.flat_rows(x))  # (T, C) the real tokens
+    qkv = view.qkv(view.norm1(xp))  # (T, 3 * H * D)
     ls = log_size(state)
     starts = [0]
     for c in state.counts[:-1]:
         starts.append(starts[-1] + c)
     o = qkv.new_empty(T + 1, H * D)  # (T + 1, H * D); row T takes the padding rows' outputs
     importance = None  # (B, N) once a group has scores
-    metric = qkv.new_zeros(B, N, D) if cfg.needs_metric else None  # (B, N, D)
+    metric = None  # (B, N, D): the keys of the real tokens summed over heads, once for all groups; 0 at padding
+    if cfg.needs_metric:
+        keys = view.k_norm(ops.reshaped(qkv, T, 3, H, D)[:, 1])  # (T, H, D)
+        metric = packed.pad(ops.head_sum(keys), B * N).view(B, N, D)  # (B, N, D)
     # rows of D values: each head's in a token's (3, H, D) qkv and in its (H, D) output
     head_qkv, head_out = ops.positions(3 * H, dev).view(3, 1, H, 1), ops.positions(H, dev).view(1, H, 1)
     for rows, n in buckets:
@@ -439,11 +458,8 @@ def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: Reduc
             if importance is None:
                 importance = ig.new_zeros(B, N)  # (B, N)
             importance[:, :n].index_copy_(0, sel, ops.cast(ig, importance.dtype))  # (B, N)
-        if cfg.needs_metric:
-            metric[:, :n].index_copy_(0, sel, ops.cast(ops.head_sum(k), metric.dtype))  # (B, N, D)
-    out = view.out(view.head_norm(o[:T]))  # (T, C)
-    x = packed.add(ops.flat_rows(x), out).view(B, N, C)  # (B, N, C)
-    return x, importance, metric
+    # packed rows from here on (no gradients: in place, xp is the block's own tensor)
+    return xp.add_(view.out(view.head_norm(o[:T]))), importance, metric  # (T, C), (B, N) or None, (B, N, D)
 
 
 def _block(blk: nn.Module, view: BlockView, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int, rate: int,
@@ -457,19 +473,23 @@ def _block(blk: nn.Module, view: BlockView, x: Tensor, state: TokenState, cfg: R
         x, importance, metric = _whole_attention(view, x, state, cfg)
     x, state, step = reduce_step(x, state, cfg, layer, importance, metric, getattr(blk, "merge_threshold", None),
                                  getattr(blk, "prune_threshold", None), rate, kind)
-    x = _tokenwise(view.mlp, x, _packed_index(state, cfg), x)  # (B, N', C)
-    return x, state, step
+    return _mlp(view, x, state, cfg), state, step  # (B, N', C) or packed (T', C)
 
 
 def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceConfig) -> tuple:
-    """The attention half of a block on the whole (padded) batch: x after the attention residual (B, N, C), the
-    importance (B, N) or None, and the merge metric (B, N, D) or None."""
-    B, N, _ = x.shape
+    """The attention half of a block on the whole (padded) batch: x after the attention residual (B, N, C), or
+    packed rows (T, C) if x came packed, the importance (B, N) or None, and the merge metric (B, N, D) or None."""
+    if view.gate is not None:
+        x = padded_tokens(x, state)  # (B, N, C)
+    B, N = state.keep.shape
     gate = None
     if view.gate is not None:
         y = view.norm1(x)  # (B, N, C)
         gate, qkv = view.gate(y), view.qkv(y)  # (B, N, H * D), (B, N, 3 * H * D)
         rows = None
+    elif x.dim() == 2:  # packed rows (T, C)
+        rows = _packed_index(state, cfg, always=True)
+        qkv = rows.pad(view.qkv(view.norm1(x)), B * N).view(B, N, -1)  # (B, N, 3 * H * D)
     else:
         rows = _packed_index(state, cfg)
         qkv = _tokenwise(lambda t: view.qkv(view.norm1(t)), x, rows)  # (B, N, 3 * H * D)
@@ -482,6 +502,8 @@ def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceC
     o = ops.heads_merged(o)  # (B, N, H * D)
     if gate is not None:
         x = x + view.out(view.head_norm(o) * gate)  # (B, N, C)
+    elif x.dim() == 2:  # packed rows, in place (no gradients)
+        x = x.add_(view.out(view.head_norm(rows.take(ops.flat_rows(o)))))  # (T, C)
     else:
         x = _tokenwise(lambda t: view.out(view.head_norm(t)), o, rows, x)  # (B, N, C)
     return x, importance, ops.head_sum(k) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)

@@ -221,7 +221,8 @@ def reduce_step(
     its group's max); in ``ltpm`` the split runs over the tokens left after pruning.
 
     Args:
-        x: (B, N, C) tokens after the attention residual.
+        x: (B, N, C) tokens after the attention residual, or (eval) the packed rows (T, C) of the real ones
+            (:func:`real_rows`); the compact step then returns packed rows too (or (B, N', C) without padding).
         state: The token state (sizes, keep mask).
         cfg: The reduction config.
         layer: Block index (for per-layer fixed rates).
@@ -236,9 +237,11 @@ def reduce_step(
     Returns:
         The new x, the new state, and the step's counts.
     """
-    B, N, _ = x.shape
+    B, N = state.keep.shape
     rate = layer_rate(cfg.rate, layer) if rate is None else rate
     kind = step_kind(cfg, B, not state.compact) if kind is None else kind
+    if kind != "compact":  # only compaction takes packed rows (T, C)
+        x = padded_tokens(x, state)  # (B, N, C)
     if kind == "static":
         return _reduce_fixed(x, state, cfg, importance, metric, rate)
     if kind == "single":
@@ -370,7 +373,7 @@ def _reduce_compact(
     masks, then merging and compaction in one scatter (:func:`ltmp.ops.contract`) instead of a merge pass, a
     mask bookkeeping pass and a compaction. One host synchronisation: the survivor counts.
     """
-    if cfg.ops[0] == "merge" and x.shape[1] > 1:
+    if cfg.ops[0] == "merge" and state.keep.shape[1] > 1:
         return _reduce_compact_merge_first(x, state, cfg, importance, metric, merge_threshold, prune_threshold)
     alive = state.keep > 0.5  # (B, N) survivors, at the front of each row
     merge = dst = None
@@ -387,11 +390,17 @@ def _reduce_compact(
             alive = alive & ~drop
         masks.append(alive)
     rank, counts = _survivor_counts(masks)
-    x, size, source, keep, counts = ops.contract(alive, x, state.size, state.source, merge, dst, counts, rank)
+    x, size, source, keep, counts = ops.contract(alive, x, state.size, state.source, merge, dst, counts, rank,
+                                                 _rows_of(x, state))
     state_out = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts,
                                     merged_once=state.merged_once or merge is not None,
                                     masked_once=sum(counts) < keep.numel())
     return x, state_out, _host_result(cfg, state, masks, counts)
+
+
+def _rows_of(x: Tensor, state: TokenState) -> Tensor | None:
+    """The flat positions (T,) of packed rows x (T, C) in the state's (B * N) batch; None for a padded x."""
+    return real_rows(state).idx if x.dim() == 2 else None
 
 
 def _survivor_counts(masks: list[Tensor]) -> tuple[Tensor, list[int]]:
@@ -462,11 +471,11 @@ def _reduce_compact_merge_first(
     importance becomes its group's max, a surviving patch token is pruned unless its importance passes the
     threshold, and ``keep_one`` spares an image's most important candidate when all would go.
     """
-    B, N, _ = x.shape
+    B, N = state.keep.shape
     P = cfg.num_prefix
     keep = state.keep  # (B, N) 1 survivor, 0 padding
     alive = keep > ops.scalar(0, keep)  # (B, N)
-    mergeable = alive & ops.patch_tokens(N, P, x.device)  # (B, N) tokens that may merge or receive: survivors
+    mergeable = alive & ops.patch_tokens(N, P, keep.device)  # (B, N) tokens that may merge or receive: survivors
     #                                                       past the prefix
     sim = ops.cosine_similarity(metric, first_a=0)  # (B, Na, Nb); NaN at padding (zero keys)
     sim.masked_fill_(~mergeable[:, 1::2].view(B, 1, -1), -math.inf)  # B columns that cannot receive
@@ -489,7 +498,8 @@ def _reduce_compact_merge_first(
     target, _ = ops.slots(survive, counts, rank)  # (B, N)
     target_a = target[:, ::2]  # (B, Na) view: merged A rows join their target's slot (a pruned target's: the dump)
     target_a.copy_(torch.where(merge_a, target.gather(1, dst_a), target_a))
-    x, size, source, keep = ops.gather_slots(target, max(counts), x, state.size, state.source, True)
+    x, size, source, keep = ops.gather_slots(target, max(counts), x, state.size, state.source, True,
+                                             _rows_of(x, state), sum(counts))
     state_out = dataclasses.replace(state, size=size, keep=keep, source=source, counts=counts, merged_once=True,
                                     masked_once=sum(counts) < keep.numel())
     return x, state_out, _host_result(cfg, state, masks, counts)
@@ -761,6 +771,31 @@ def initial_state(x: Tensor, num_prefix: int, compact: bool, trace_source: bool)
     if trace_source:
         source = torch.eye(N, device=x.device, dtype=ones.dtype).expand(B, N, N).clone()  # (B, N, N0)
     return TokenState(size=ones, keep=ones, compact=compact, source=source)
+
+
+def real_rows(state: TokenState) -> ops.PackedRows:
+    """The real tokens of a compact eval state with padding (their flat indices into its (B * N) positions, in
+    order), made once per keep mask: the order of the tokens as packed rows (T, C)."""
+    if state.packed is not None and state.packed[0] is state.keep:
+        return state.packed[1]
+    alive = ops.reshaped(state.keep, -1)  # (B * N,) 1 real, 0 padding
+    if hasattr(torch, "nonzero_static"):  # the count is known on the host: no synchronisation
+        # (a top-k over ``position - 2^24 * keep`` makes fewer calls but takes 2-4x the time on the CPU:
+        # benchmarks/packed_index.py)
+        idx = torch.nonzero_static(alive, size=state.real).squeeze(1)  # (T,)
+    else:
+        idx = alive.nonzero().squeeze(1)  # (T,)
+    state.packed = (state.keep, ops.PackedRows(idx))
+    return state.packed[1]
+
+
+def padded_tokens(x: Tensor, state: TokenState) -> Tensor:
+    """The tokens as a padded batch (B, N, C), 0 at padding: ``x`` itself unless it is the packed rows (T, C) of
+    ``state``'s real tokens (``ltmp.patching``'s packed stream)."""
+    if x.dim() != 2:
+        return x
+    B, N = state.keep.shape
+    return real_rows(state).pad(x, B * N).view(B, N, -1)  # (B, N, C)
 
 
 def log_size(state: TokenState) -> Tensor | None:

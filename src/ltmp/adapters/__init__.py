@@ -41,7 +41,7 @@ class BlockView:
     #                                  drop path), before the residual add
     training: bool  # the block's mode (dropout)
     q_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) per-head query norm
-    k_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) per-head key norm
+    k_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) or (T, H, D) per-head key norm (last dim)
     head_norm: Callable[[Tensor], Tensor] = identity  # (..., H * D) norm on the heads' output
     gate: Callable[[Tensor], Tensor] | None = None  # (..., C) normed input -> (..., H * D) multiplier of the
     #                                                 normed heads' output (timm's gated attention)
