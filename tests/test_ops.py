@@ -401,6 +401,19 @@ def test_contract_of_packed_rows_equals_the_padded_batch(merged, padded_out):
         assert torch.equal(rows, ref)  # (B, N', C): nothing to skip
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["pruned", "merged"])
+def test_contract_of_packed_rows_when_every_token_goes(merged):
+    """No prefix and every token removed: packed rows come out as an empty (B, 0, C) batch, as padded ones do."""
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    alive = torch.zeros(2, 3, dtype=torch.bool)
+    flat = torch.tensor([0, 1, 2, 3, 4])  # image 1's last token is padding
+    merge, dst = (~alive, torch.zeros(2, 3, dtype=torch.long)) if merged else (None, None)
+    ref = ops.contract(alive, x, torch.ones(2, 3, dtype=torch.float64), None, merge, dst)
+    out = ops.contract(alive, x.view(-1, 4)[flat], torch.ones(2, 3, dtype=torch.float64), None, merge, dst,
+                       real=flat)
+    assert ref[0].shape == out[0].shape == (2, 0, 4) and out[4] == ref[4] == [0, 0]
+
+
 @pytest.mark.parametrize("kind", ["mean", "cls"])
 @pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
 def test_importance_from_log_sum_exp_equals_the_explicit_probabilities(kind, masked):

@@ -824,7 +824,7 @@ def _packed_slots(target: Tensor, real: Tensor, n_real: int, x: Tensor, size: Te
         s = reshaped(size, -1).index_select(0, real)  # (T,)
         num, den = weighted_sums(x.view(1, *x.shape), s.view(1, -1), rows, n_real + 1)  # (T' + 1, C), (T' + 1, 1)
         out = cast(num[:n_real].div_(den[:n_real].clamp_min(1.0)), x.dtype)  # (T', C)
-    return out.view(B, n_new, -1) if n_real == B * n_new else out
+    return out.view(B, n_new, x.shape[1]) if n_real == B * n_new else out  # (B, n_new, C) or (T', C)
 
 
 def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buckets: int = 4,

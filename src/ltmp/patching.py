@@ -401,7 +401,8 @@ def _attention(view: BlockView, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | 
 
 
 def _grouped_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceConfig, buckets) -> tuple:
-    """The attention half of a block for a padded eval batch, run per group of similar token counts.
+    """The attention half of a block for a padded eval batch (or its packed rows), run per group of similar
+    token counts.
 
     Token-wise layers run packed (the T real tokens); each group gathers its q, k, v straight from the packed
     qkv, padded only to the group's longest image (padding rows repeat a real token and are masked), and its
@@ -506,7 +507,7 @@ def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceC
         x = x.add_(view.out(view.head_norm(rows.take(ops.flat_rows(o)))))  # (T, C)
     else:
         x = _tokenwise(lambda t: view.out(view.head_norm(t)), o, rows, x)  # (B, N, C)
-    return x, importance, ops.head_sum(k) if cfg.needs_metric else None  # (B, N, C), (B, N), (B, N, D)
+    return x, importance, ops.head_sum(k) if cfg.needs_metric else None  # (B, N, C) or (T, C), (B, N), (B, N, D)
 
 
 def score_ranges(model: nn.Module) -> dict[str, tuple[float, float]]:

@@ -61,7 +61,9 @@ class Execution:
     #: importance scores from one more q k^T pass (ops.importance_from_lse) instead of explicit fp32
     #: probabilities. Off: on the 2-core CPU it is slower (docs/performance.md); not yet measured on a GPU.
     importance_from_lse: bool = False
-    pack_above: float = 0.05  # padded eval batches run token-wise layers packed above this share of padding
+    #: padded eval batches run token-wise layers packed above this share of padding; without gradients the
+    #: tokens then stay packed rows to the end of the blocks, and grouped attention (max_buckets) always packs
+    pack_above: float = 0.05
     max_buckets: int = 4  # padded eval batches run attention in at most this many groups (1: never group)
     #: fixed cost of one more attention group in multiply-accumulates, per device type; a device not listed never
     #: groups. CPU: about 40 operator calls of ~6 us each, at the ~50 GMAC/s attention reaches on the 2-core CPU
@@ -108,7 +110,8 @@ class ReduceConfig:
 
 @dataclasses.dataclass
 class TokenState:
-    """The token set travelling between blocks, besides the tokens x (B, N, C) themselves.
+    """The token set travelling between blocks, besides the tokens x themselves: (B, N, C), or in eval without
+    gradients the packed rows (T, C) of the real ones (:func:`real_rows`).
 
     Prefix tokens always sit at positions ``0 .. num_prefix - 1``.
     """
@@ -121,7 +124,8 @@ class TokenState:
     masked_once: bool = False  # some token is masked or padded (masked attention needed)
     counts: list[int] | None = None  # eval: each image's real (not padding) tokens, on the host after compaction
     packed: tuple[Tensor, ops.PackedRows] | None = None  # eval: (keep, its real tokens), reused by the MLP and
-    #                                                      the next block's attention while keep is the same tensor
+    #                                                      the next block's attention while keep is the same
+    #                                                      tensor; the order of packed rows x (T, C) (real_rows)
 
     @property
     def real(self) -> int | None:
