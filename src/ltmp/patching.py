@@ -325,13 +325,12 @@ def _stream_packed() -> bool:
 def _mlp(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceConfig) -> Tensor:
     """The second half of a block on the tokens after the reduction step: padded (B, N, C), or packed rows
     (T, C) when the stream is packed or starts to be here (there is padding to skip)."""
-    if x.dim() == 2:  # packed rows: the residual add in place (no gradients)
-        return x.add_(view.mlp(x))  # (T, C)
-    rows = _packed_index(state, cfg)
-    if rows is not None and _stream_packed():  # from here on the tokens stay packed
-        xp = rows.take(ops.flat_rows(x))  # (T, C)
-        return xp.add_(view.mlp(xp))  # (T, C)
-    return _tokenwise(view.mlp, x, rows, x)  # (B, N, C)
+    if x.dim() != 2:
+        rows = _packed_index(state, cfg)
+        if rows is None or not _stream_packed():
+            return _tokenwise(view.mlp, x, rows, x)  # (B, N, C)
+        x = rows.take(ops.flat_rows(x))  # (T, C): from here on the tokens stay packed
+    return x.add_(view.mlp(x))  # (T, C), the residual add in place (no gradients)
 
 
 def _tokenwise(fn, x: Tensor, rows: ops.PackedRows | None, residual: Tensor | None = None) -> Tensor:
@@ -480,11 +479,10 @@ def _block(blk: nn.Module, view: BlockView, x: Tensor, state: TokenState, cfg: R
 def _whole_attention(view: BlockView, x: Tensor, state: TokenState, cfg: ReduceConfig) -> tuple:
     """The attention half of a block on the whole (padded) batch: x after the attention residual (B, N, C), or
     packed rows (T, C) if x came packed, the importance (B, N) or None, and the merge metric (B, N, D) or None."""
-    if view.gate is not None:
-        x = padded_tokens(x, state)  # (B, N, C)
     B, N = state.keep.shape
     gate = None
     if view.gate is not None:
+        x = padded_tokens(x, state)  # (B, N, C)
         y = view.norm1(x)  # (B, N, C)
         gate, qkv = view.gate(y), view.qkv(y)  # (B, N, H * D), (B, N, 3 * H * D)
         rows = None
