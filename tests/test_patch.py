@@ -503,3 +503,18 @@ def test_hooks_on_a_blocks_mlp_run_in_eval():
     with torch.no_grad():
         model(images(2))
     assert len(seen) == 1 and seen[0][0] == 2
+
+
+def test_hooks_on_an_mlp_fc1_see_its_output_unchanged():
+    """In eval the MLP's GELU runs in place on fc1's output, unless something else sees that output: a hook on fc1
+    keeps what fc1 returned, and the logits are the same either way."""
+    model = patched("cls", "tome", dict(r=6)).eval()
+    x = images(2)
+    with torch.no_grad():
+        ref = model(x)
+    seen = []
+    model.blocks[1].mlp.fc1.register_forward_hook(lambda module, args, out: seen.append((out, out.clone())))
+    with torch.no_grad():
+        out = model(x)
+    assert len(seen) == 1 and torch.equal(seen[0][0], seen[0][1])
+    assert torch.equal(out, ref)

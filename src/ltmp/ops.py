@@ -102,6 +102,13 @@ def flat_rows(t: Tensor) -> Tensor:
     return reshaped(t, -1, t.shape[-1])
 
 
+def writable(t: Tensor) -> bool:
+    """Whether an eval step may write its result over the intermediate ``t`` (``out=t``): not with gradients
+    (``out=`` has no autograd), and not while tracing (a jit trace made without gradients would fail when run with
+    them)."""
+    return not (torch.is_grad_enabled() or t.requires_grad or tracing() or torch.jit.is_tracing())
+
+
 def _views(t: Tensor) -> bool:
     """Whether :func:`qkv_heads` and the like may take ``as_strided`` views of ``t``: not while tracing (named
     views trace more simply) and not with gradients (``as_strided``'s backward is slow)."""
@@ -338,9 +345,9 @@ def masked_attention(
             attn = torch.bmm(q3, k3.transpose(1, 2)).mul_(scale)  # (B * H, N, N)
         else:
             attn = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale)  # (B * H, N, N)
-        # in place outside tracing (out= has no autograd): one (B * H, N, N) buffer fewer, which glibc malloc
-        # would map fresh; 0.97-0.98 of the time on DeiT-S at batch 32 (benchmarks/ab.py), same values
-        probs = attn.softmax(dim=-1) if tracing() else torch.softmax(attn, -1, out=attn)  # (B * H, N, N)
+        # in place: one (B * H, N, N) buffer fewer, which glibc malloc would map fresh; 0.97-0.98 of LTMP's time
+        # on DeiT-S at batch 32 (benchmarks/ab.py), same values
+        probs = torch.softmax(attn, -1, out=attn) if writable(attn) else attn.softmax(dim=-1)  # (B * H, N, N)
         return torch.bmm(probs, v3).view(B, H, N, D), probs.view(B, H, N, N)  # (B, H, N, D), (B, H, N, N)
     attn = (q * scale) @ k.transpose(-2, -1)  # (B, H, N, N)
     attn = cast(attn, wide(attn.dtype))  # fp16/bf16 -> fp32, float64 stays
