@@ -518,3 +518,21 @@ def test_hooks_on_an_mlp_fc1_see_its_output_unchanged():
         out = model(x)
     assert len(seen) == 1 and torch.equal(seen[0][0], seen[0][1])
     assert torch.equal(out, ref)
+
+
+def test_gelu_never_writes_over_the_residual_stream_when_fc1_returns_its_input():
+    """A block whose MLP has no norm2 and an identity fc1 (say, after surgery) hands the GELU the residual stream
+    itself: the in-place GELU must not run there. Same logits as the unpatched model with no reduction."""
+    model = make_model("cls", torch.float32).eval()
+    for blk in model.blocks:
+        blk.norm2, blk.mlp.fc1 = torch.nn.Identity(), torch.nn.Identity()
+        blk.mlp.fc2 = torch.nn.Linear(blk.mlp.fc2.out_features, blk.mlp.fc2.out_features).requires_grad_(False)
+        torch.nn.init.zeros_(blk.mlp.fc2.weight)
+    x = images(2, torch.float32)
+    with torch.no_grad():
+        ref = model(x)
+    with pytest.warns(UserWarning, match="reduces no tokens"):
+        ltmp.patch(model, "ltmp", merge_threshold=math.inf, prune_threshold=-math.inf)
+    with torch.no_grad():
+        out = model(x)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=0), (out - ref).abs().max()

@@ -154,11 +154,12 @@ def _mlp_forward():
 
 
 def _act(act: nn.Module, fc1: nn.Module):
-    """The MLP's activation; ``nn.GELU`` in place on fc1's output when nothing else sees that output (no
-    gradients, not tracing: ``ops.writable``; no hooks on fc1 or the activation). That saves a (T, 4C) buffer per
+    """The MLP's activation; ``nn.GELU`` in place on fc1's output when that output is fc1's own (a linear layer,
+    not a replacement that may return its input) and nothing else sees it (no gradients, not tracing:
+    ``ops.writable``; no hooks on fc1 or the activation). That saves a (T, 4C) buffer per
     block, which glibc malloc would map fresh: 0.98 of LTMP's time on DeiT-S at batch 32 (benchmarks/ab.py), same
     values."""
-    if type(act) is not nn.GELU or _has_forward_hooks(act) or _has_forward_hooks(fc1):
+    if type(act) is not nn.GELU or type(fc1) is not nn.Linear or _has_forward_hooks(act) or _has_forward_hooks(fc1):
         return act
     approximate = act.approximate
 
