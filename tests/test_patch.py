@@ -161,17 +161,22 @@ def test_train_equals_eval_in_float32():
     assert torch.allclose(a, b, atol=1e-4, rtol=0), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-def test_no_reduction_reproduces_unpatched_logits(config, train):
-    model = make_model(config, torch.float32)
-    x = images(3, torch.float32)
-    model.train(train)
+def _idle_patch_logits(model, x):
+    """The model's logits, then its logits once patched with LTMP thresholds that reduce nothing."""
     with torch.no_grad():
         ref = model(x)
     with pytest.warns(UserWarning, match="reduces no tokens"):
         ltmp.patch(model, "ltmp", merge_threshold=math.inf, prune_threshold=-math.inf)
     with torch.no_grad():
-        out = model(x)
+        return ref, model(x)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_no_reduction_reproduces_unpatched_logits(config, train):
+    model = make_model(config, torch.float32)
+    x = images(3, torch.float32)
+    model.train(train)
+    ref, out = _idle_patch_logits(model, x)
     assert ltmp.stats(model).kept.eq(64).all()
     assert torch.allclose(out, ref, atol=1e-5, rtol=0), (out - ref).abs().max()
 
@@ -529,10 +534,5 @@ def test_gelu_never_writes_over_the_residual_stream_when_fc1_returns_its_input()
         blk.mlp.fc2 = torch.nn.Linear(blk.mlp.fc2.out_features, blk.mlp.fc2.out_features).requires_grad_(False)
         torch.nn.init.zeros_(blk.mlp.fc2.weight)
     x = images(2, torch.float32)
-    with torch.no_grad():
-        ref = model(x)
-    with pytest.warns(UserWarning, match="reduces no tokens"):
-        ltmp.patch(model, "ltmp", merge_threshold=math.inf, prune_threshold=-math.inf)
-    with torch.no_grad():
-        out = model(x)
+    ref, out = _idle_patch_logits(model, x)
     assert torch.allclose(out, ref, atol=1e-5, rtol=0), (out - ref).abs().max()
