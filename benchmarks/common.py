@@ -103,6 +103,8 @@ def compact(result: dict) -> dict:
     keep = {k: result[k] for k in ("method", "top1", "r_flops", "gmacs", "gmacs_dense", "images")}
     keep["per_layer"] = [{k: round(x[k], 4) for k in ("merged", "pruned")} for x in result["per_layer"]]
     keep["correct"] = f"{len(result['correct'])}:{int('1' + result['correct'], 2):x}"  # leading 1 keeps zeros
+    if "allocation" in result:  # learned thresholds: where they reduce (ltmp.analysis.allocation)
+        keep["allocation"] = result["allocation"]
     return keep
 
 

@@ -62,8 +62,10 @@ def closest_margin(model, x: torch.Tensor) -> str:
     finally:
         model.ltmp_config.capture = None
     th = {n: p.item() for n, p in model.named_parameters() if n.endswith("_threshold")}
-    merge = min(abs(float((s[a] - th[f"blocks.{i}.merge_threshold"]).abs().min())) for i, _, s, a in cap)
-    prune = min(float((imp[imp > 0] - th[f"blocks.{i}.prune_threshold"]).abs().min()) for i, imp, _, _ in cap)
+    merge = min(float((c.scores[c.candidates] - th[f"blocks.{c.layer}.merge_threshold"]).abs().min()) for c in cap
+                if c.op == "merge" and c.candidates.any())
+    prune = min(float((c.scores[c.candidates] - th[f"blocks.{c.layer}.prune_threshold"]).abs().min()) for c in cap
+                if c.op == "prune" and c.candidates.any())
     return f"similarity {merge:.1e}, importance {prune:.1e} (absolute)"
 
 

@@ -70,7 +70,9 @@ def kendall_tau(model: nn.Module, loader, device: torch.device | str = "cpu",
                 continue
             cfg.capture.clear()
             model(imgs.to(device))
-            for layer, imp, score, is_a in cfg.capture:  # (B, N) each
+            for layer, op, score, is_a, imp in cfg.capture:  # (B, N) each
+                if op != "merge" or imp is None:
+                    continue
                 for b in range(imp.shape[0]):
                     a = is_a[b]
                     if int(a.sum()) >= 2:
@@ -85,6 +87,115 @@ def kendall_tau(model: nn.Module, loader, device: torch.device | str = "cpu",
     return {"mean": [float(np.mean(t)) if t else None for t in taus],  # None: no layer with 2+ set-A tokens
             "std": [float(np.std(t)) if t else None for t in taus],
             "images": min(seen, max_images or seen)}
+
+
+#: Images (spread over the set) on which ``ltmp train``, ``eval`` and ``analyze`` describe the allocation.
+ALLOCATION_IMAGES = 512
+
+
+def image_batch(dataset, n: int = ALLOCATION_IMAGES) -> torch.Tensor:
+    """Up to ``n`` readable images of ``dataset`` spread over it (class-balanced for ImageFolder), as (N, 3, H, W)."""
+    from .data import spread_subset
+
+    part = spread_subset(dataset, n)
+    items = [it for it in (part[i] for i in range(len(part))) if it is not None]
+    if not items:
+        raise LtmpError("no readable images to describe the allocation on")
+    return torch.stack([it[0] for it in items])
+
+
+@torch.no_grad()
+def allocation(model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu", batch: int = 128,
+               shared: bool = True) -> dict:
+    """Where a model with learned thresholds reduces, block by block, on ``images`` (N, 3, H, W) in eval mode.
+
+    - ``merged`` / ``pruned``: mean tokens per image each block merges away and prunes; ``*_frac``: the same as
+      fractions of the n patch tokens.
+    - ``merge_quantile`` / ``prune_quantile``: each threshold's position in its block's scores, i.e. the fraction
+      of the block's candidates whose score lies at or below it, pooled over the images (candidates: set-A
+      similarities for merging, the surviving patch tokens' importance for pruning; None where a block had
+      none). Merging removes the ``1 - q`` above its threshold, pruning the ``q`` below.
+    - ``shared`` (if asked): the same counts for one threshold shared by every block and bisected on these images
+      to the same r_FLOPs (:func:`ltmp.calibrate.calibrate` ``mode="shared"``: a merge threshold, nothing pruned;
+      a prune threshold for ``ltp``), and ``reallocated``: the share of the removed tokens that the learned
+      thresholds remove in other blocks, or by the other operation, than the shared threshold does (the total
+      variation distance between the two allocations over (block, operation)).
+    """
+    import copy
+
+    from .calibrate import calibrate
+    from .record import r_flops
+
+    cfg = model.ltmp_config
+    if not cfg.learned:
+        raise LtmpError("allocation() describes learned thresholds; this model uses a fixed rate")
+    model.eval().to(device)
+    depth = len(blocks(model))
+    below = {op: np.zeros(depth) for op in cfg.ops}  # candidates at or below the threshold, per block
+    total = {op: np.zeros(depth) for op in cfg.ops}
+    counts = {"merged": np.zeros(depth), "pruned": np.zeros(depth)}
+    r_sum = 0.0
+    cfg.capture = []
+    try:
+        for i in range(0, len(images), batch):
+            cfg.capture.clear()
+            model(images[i:i + batch].to(device))
+            for c in cfg.capture:  # one entry per (block, operation)
+                th = float(getattr(blocks(model)[c.layer], f"{c.op}_threshold"))
+                scores = c.scores[c.candidates].double()
+                below[c.op][c.layer] += float((scores <= th).sum())
+                total[c.op][c.layer] += scores.numel()
+            rec = model.ltmp_record
+            for key in counts:
+                counts[key] += getattr(rec, key).double().sum(0).cpu().numpy()
+            r_sum += float(r_flops(model).sum())
+    finally:
+        cfg.capture = None
+    n = len(images)
+    patches = model.ltmp_record.num_patches
+    out: dict = {"images": n, "r_flops": r_sum / n}
+    for key in counts:
+        out[key] = (counts[key] / n).tolist()
+        out[f"{key}_frac"] = (counts[key] / n / patches).tolist()
+    for op in ("merge", "prune"):
+        out[f"{op}_quantile"] = None if op not in cfg.ops else [
+            float(b / t) if t else None for b, t in zip(below[op], total[op])]
+    if shared:
+        base = copy.deepcopy(model)
+        for name, p in base.named_parameters():
+            if name.endswith("prune_threshold") and "merge" in cfg.ops:
+                p.fill_(0.0)  # the shared threshold merges only (as `ltmp calibrate`); importance is never below 0
+        calibrate(base, images, out["r_flops"], device, iters=14, batch=batch)
+        ref = allocation(base, images, device, batch, shared=False)
+        out["shared"] = {k: ref[k] for k in ("r_flops", "merged", "pruned", "merge_quantile", "prune_quantile")}
+        kind = "merge_threshold" if "merge" in cfg.ops else "prune_threshold"
+        out["shared"]["threshold"] = float(getattr(blocks(base)[0], kind))
+        ours = np.array(out["merged"] + out["pruned"])
+        theirs = np.array(ref["merged"] + ref["pruned"])
+        out["reallocated"] = float(0.5 * np.abs(ours / max(ours.sum(), 1e-12) - theirs / max(theirs.sum(),
+                                                                                              1e-12)).sum())
+    return out
+
+
+def format_allocation(a: dict) -> str:
+    """The table of :func:`allocation`, one line per block."""
+    def q(v: list | None, i: int) -> str:
+        return "-" if v is None or v[i] is None else f"{v[i]:.3f}"
+
+    lines = [f"allocation on {a['images']} images (r_FLOPs {a['r_flops']:.3f}): tokens per image merged / pruned, "
+             f"thresholds as quantiles of their block's scores" + (", and one shared threshold at the same r_FLOPs"
+                                                                    if "shared" in a else "")]
+    head = "block  merged  pruned  merge q  prune q"
+    lines.append(head + ("   | shared: merged  pruned" if "shared" in a else ""))
+    for i in range(len(a["merged"])):
+        row = (f"{i + 1:>5}  {a['merged'][i]:6.2f}  {a['pruned'][i]:6.2f}  {q(a['merge_quantile'], i):>7}  "
+               f"{q(a['prune_quantile'], i):>7}")
+        if "shared" in a:
+            row += f"   |         {a['shared']['merged'][i]:6.2f}  {a['shared']['pruned'][i]:6.2f}"
+        lines.append(row)
+    if "shared" in a:
+        lines.append(f"reallocated against the shared threshold: {100 * a['reallocated']:.1f}% of the removed tokens")
+    return "\n".join(lines)
 
 
 def summarize(counts: dict[str, np.ndarray]) -> dict[str, dict[str, list[float]]]:

@@ -89,6 +89,52 @@ def _bisect(r_at, lo: float, hi: float, increasing: bool, r_target: float, iters
     return r_at((lo + hi) / 2)
 
 
+def shift_to_budget(apply, r_now, increasing: bool, r_target: float, tolerance: float, step: float, span: float,
+                    max_evals: int = 8) -> tuple[float, float, int]:
+    """Shift a set of thresholds by one amount until r_FLOPs meets ``r_target`` within ``tolerance``, with few
+    evaluations (the per-step budget of ``ltmp train --budget projected``).
+
+    ``apply(shift)`` sets the thresholds, ``r_now()`` measures r_FLOPs where they are; r rises with the shift if
+    ``increasing`` and is piecewise constant (decisions are discrete). The search evaluates the shift 0 first; if it
+    misses, it grows a bracket from ``step`` (e.g. the size of the last shift) in the direction that closes the
+    gap, then narrows it by the Illinois form of regula falsi. After ``max_evals`` evaluations it keeps the
+    evaluated shift nearest the target. Shifts stay within ``[-span, span]``.
+
+    Returns:
+        The shift applied, its r_FLOPs and the number of evaluations.
+    """
+    def gap(shift: float) -> float:
+        apply(shift)
+        return r_now() - r_target
+
+    points = [(0.0, gap(0.0))]  # (shift, r - r_target) of every evaluation
+    a, fa = points[0]
+    if abs(fa) > tolerance:
+        h = (1.0 if (fa < 0) == increasing else -1.0) * max(abs(step), 1e-3 * span)  # r too low: raise it
+        b, fb = a, fa
+        while (fb > 0) == (fa > 0) and len(points) < max_evals and abs(b) < span:  # grow a bracket
+            a, fa = b, fb
+            b = max(-span, min(span, b + h))
+            points.append((b, fb := gap(b)))
+            h *= 2
+        side = 0
+        while (fa > 0) != (fb > 0) and abs(fb) > tolerance and len(points) < max_evals:
+            c = b - fb * (b - a) / (fb - fa)
+            points.append((c, fc := gap(c)))
+            if (fc > 0) == (fb > 0):  # a stays: halve its weight so that the next point moves towards it
+                b, fb = c, fc
+                if side == -1:
+                    fa /= 2
+                side = -1
+            else:
+                a, fa, b, fb = b, fb, c, fc
+                side = 1
+    shift, miss = min(points, key=lambda p: abs(p[1]))
+    if shift != points[-1][0]:
+        apply(shift)
+    return shift, miss + r_target, len(points)
+
+
 @torch.no_grad()
 def mean_eval_r_flops(model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu",
                       batch: int = 128, amp: str = "") -> float:

@@ -84,6 +84,10 @@ def cmd_train(args) -> int:
         if not st["met"]:
             print(f"ltmp: warning: no shared shift reaches r_target {cfg.r_target} on these images (closest "
                   f"{st['r_flops']:.3f}); retrain with another --lr-merge/--lr-prune or --method", file=sys.stderr)
+    if "allocation" in result:
+        from .analysis import format_allocation
+
+        print(format_allocation(result["allocation"]))
     if "eval" in result:
         print(format_eval(result["eval"]))
     return 0
@@ -131,6 +135,11 @@ def cmd_eval(args) -> int:
                       model_name=args.model)
     result["thresholds"] = args.thresholds
     print(format_eval(result))
+    if getattr(model, "ltmp_config", None) is not None and model.ltmp_config.learned:
+        from .analysis import allocation, format_allocation, image_batch
+
+        result["allocation"] = allocation(model, image_batch(dataset), device, args.batch_size)
+        print(format_allocation(result["allocation"]))
     if result["rate"] is not None:
         print(f"per-layer rate: {','.join(str(v) for v in result['rate'])}")
     if args.compare:
@@ -271,7 +280,16 @@ def cmd_analyze(args) -> int:
     from torch.utils.data import DataLoader
 
     from . import data as ldata
-    from .analysis import kendall_tau, layer_counts, plot_kendall, plot_layer_boxes, summarize
+    from .analysis import (
+        allocation,
+        format_allocation,
+        image_batch,
+        kendall_tau,
+        layer_counts,
+        plot_kendall,
+        plot_layer_boxes,
+        summarize,
+    )
     from .demo import BUNDLED_DATA
     from .patching import patch
     from .runtime import pick_device
@@ -290,6 +308,9 @@ def cmd_analyze(args) -> int:
         method = model.ltmp_config.method
         summary = {"model": name, "method": method, "thresholds": args.thresholds, "images": len(counts["kept"]),
                    **summarize(counts)}
+        if model.ltmp_config.learned:
+            summary["allocation"] = allocation(model, image_batch(dataset), device, args.batch_size)
+            print(format_allocation(summary["allocation"]))
         plot_layer_boxes(counts, out / "layers.png",
                          title=f"{name}, {method}: tokens removed per layer over {summary['images']} images")
         atomic_write(out / "layers.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
@@ -415,15 +436,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--importance", default="mean", choices=["mean", "cls"])
     t.add_argument("--tau", type=float, default=0.1)
     t.add_argument("--lam", type=float, default=10.0, help="lambda of eq. 15")
-    t.add_argument("--budget", default="penalty", choices=["penalty", "constraint"],
+    t.add_argument("--budget", default="penalty", choices=["penalty", "constraint", "projected"],
                    help="penalty: lambda (r - r_target)^2 (the paper); constraint: plus a multiplier raised by "
-                        "dual ascent until r_FLOPs meets the target")
+                        "dual ascent until r_FLOPs meets the target; projected: steps along the budget's level "
+                        "set (the task loss decides where to reduce), then one shared shift meets the target on "
+                        "each batch")
     t.add_argument("--lr-prune", type=float,
                    help="prune thresholds' learning rate (adam: 2e-4; sgd: 5e-6, the paper's)")
     t.add_argument("--lr-merge", type=float,
                    help="merge thresholds' learning rate (adam: 2e-3; sgd: 5e-3, the paper's)")
-    t.add_argument("--optimizer", default="adam", choices=["adam", "sgd"],
-                   help="adam (each threshold's step normalised by its gradient) or sgd (the paper's, no momentum)")
+    t.add_argument("--optimizer", default="adam", choices=["adam", "group", "sgd"],
+                   help="adam (each threshold's step normalised by its gradient), group (normalised per group: "
+                        "merge, prune) or sgd (the paper's, no momentum)")
     t.add_argument("--merge-init", type=float, help="initial merge thresholds (adam: 1.0; sgd: 0.9, the paper's)")
     t.add_argument("--prune-init", type=float, default=0.0)
     t.add_argument("--mask-grad", default="secant", choices=["secant", "clamp", "eps"],

@@ -150,20 +150,30 @@ def schedule_counts(method: str, schedule: Sequence[int], num_patches: int, keep
     return counts
 
 
-def rate_schedule(spec, target_gmacs: float, method: str = "tome") -> list[int]:
+def rate_schedule(spec, target_gmacs: float, method: str = "tome", shape: Sequence[float] | None = None
+                  ) -> list[int]:
     """A per-layer schedule of a fixed-rate method (``tome``, ``topk-prune``, ``topk-mp``) whose GMACs come
     closest to ``target_gmacs``.
 
     Their token counts are deterministic (:func:`schedule_counts`), so GMACs follow from the schedule. Schedules
-    spread a fractional rate rho evenly over the layers (``r_l = floor(rho (l+1)) - floor(rho l)``); rho is
-    searched on a fine grid.
+    spread a fractional rate rho over the layers in proportion to ``shape`` (default: evenly; e.g. a learned
+    model's mean tokens removed per layer, to hold its allocation fixed): ``r_l = floor(rho C_l) - floor(rho
+    C_(l-1))`` with ``C_l`` the running sum of the shape, scaled so that it ends at L; rho is searched on a fine
+    grid.
     """
     n, L = spec.num_patches, spec.depth
+    weights = [1.0] * L if shape is None else [max(float(v), 0.0) for v in shape]
+    if len(weights) != L:
+        raise LtmpError(f"a schedule shape needs one weight per layer ({L}), got {len(weights)}")
+    if sum(weights) <= 0:
+        return [0] * L
+    cum = [sum(weights[:l + 1]) * (L / sum(weights)) for l in range(L)]  # (l + 1 for the even shape)
     steps = 4000
     scheds = []
     for i in range(steps + 1):
         rho = n * i / steps
-        scheds.append([math.floor(rho * (l + 1)) - math.floor(rho * l) for l in range(L)])
+        ends = [math.floor(rho * c) for c in cum]
+        scheds.append([e - (ends[l - 1] if l else 0) for l, e in enumerate(ends)])
     counts = torch.tensor([schedule_counts(method, s, n) for s in scheds], dtype=torch.float64)  # (S, L)
     err = (gmacs(spec, counts) - target_gmacs).abs()  # (S,)
     return scheds[int(err.argmin())]

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -86,7 +87,7 @@ class ReduceConfig:
     merge_grad: str = "average"  # train mode: merge thresholds learn through the masks of eq. 5-7 and the merged
     #                              averages ("average"), or through the masks only ("mask", the reference code)
     trace_source: bool = False  # carry a (B, N, N0) map of which patches each token covers (for viz)
-    capture: list | None = None  # analysis: each block appends (layer, importance, similarity score, set-A mask)
+    capture: list | None = None  # analysis: each decision appends its scores and candidates (a Captured)
     fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
     #                                         prunes these fractions of the block's candidates (see fit_threshold)
     execution: Execution = dataclasses.field(default_factory=Execution)  # speed choices, not results
@@ -106,6 +107,16 @@ class ReduceConfig:
     @property
     def needs_metric(self) -> bool:
         return "merge" in self.ops
+
+
+class Captured(NamedTuple):
+    """One reduction decision's scores, recorded for analysis (``ReduceConfig.capture``; eval on the masked step)."""
+
+    layer: int
+    op: str  # "merge" or "prune"
+    scores: Tensor  # (B, N) similarity to the best match in set B (merge) or importance (prune)
+    candidates: Tensor  # (B, N) bool: set A (merge) or the surviving patch tokens (prune)
+    importance: Tensor | None  # (B, N) merge decisions: the tokens' importance, where the method computes it
 
 
 @dataclasses.dataclass
@@ -275,6 +286,8 @@ def reduce_step(
             merged = hard.sum(1)
         else:
             pm, drop, cand = _prune_decision(cfg, keep, importance, prune_threshold, rate, x.dtype)  # (B, N) each
+            if cfg.capture is not None:
+                cfg.capture.append(Captured(layer, "prune", importance.detach().cpu(), cand.cpu(), None))
             pm = torch.where(cand, pm, torch.ones_like(pm))  # (B, N)
             factor = pm if factor is None else factor * pm
             touched = cand if touched is None else touched | cand
@@ -311,8 +324,9 @@ def _merge_decision(cfg: ReduceConfig, layer: int, keep: Tensor, contiguous: boo
     else:
         is_a, is_b = ops.bipartite_sets(keep, P)  # (B, N) each
         score, dst = ops.best_match(metric, is_a, is_b)  # (B, N) each
-    if cfg.capture is not None and importance is not None:
-        cfg.capture.append((layer, importance.detach().cpu(), score.detach().cpu(), is_a.cpu()))
+    if cfg.capture is not None:
+        cfg.capture.append(Captured(layer, "merge", score.detach().cpu(), is_a.cpu(),
+                                    None if importance is None else importance.detach().cpu()))
     if cfg.learned:
         if cfg.fit is not None:
             fit_threshold(merge_threshold, score[is_a], cfg.fit[0], largest=True)

@@ -22,12 +22,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler, Subset
 
 from . import data as ldata
-from .calibrate import calibrate, calibration_batch, settle
+from .analysis import ALLOCATION_IMAGES, allocation
+from .calibrate import calibrate, calibration_batch, settle, shift_to_budget
 from .errors import LtmpError
 from .evaluate import evaluate
 from .flops import budget_loss_value
-from .patching import THRESHOLD_NAMES, blocks, patch, score_ranges
-from .record import mean_r_flops, stats
+from .patching import THRESHOLD_NAMES, blocks, patch, score_ranges, vit_spec
+from .record import mean_r_flops, r_flops, stats
 from .reduce import LEARNED
 from .runtime import amp_context, amp_dtype, compile_model, create_model, pick_device, require_classifier
 from .runtime import logits as logits_of
@@ -53,8 +54,11 @@ class TrainConfig:
     tau: float = 0.1  # sigmoid temperature of eq. 2
     lam: float = 10.0  # lambda of eq. 15
     budget: str = "penalty"  # "penalty": lambda (r - r_target)^2 (eq. 14-15); "constraint": plus mu (r - r_target),
-    #                          mu raised by dual ascent (mu += 2 lambda (r - r_target) per step) until r meets it
-    optimizer: str = "adam"  # "adam" (each threshold's step normalised by its gradient) | "sgd" (the paper's)
+    #                          mu raised by dual ascent (mu += 2 lambda (r - r_target) per step) until r meets it;
+    #                          "projected": the task loss's gradient with its budget component removed, then one
+    #                          shift shared by all blocks until the batch meets r_target (projected_gradients)
+    optimizer: str = "adam"  # "adam" (each threshold's step normalised by its gradient) | "sgd" (the paper's) |
+    #                          "group" (Adam normalised per parameter group: merge, prune; GroupAdam)
     lr_prune: float | None = None  # prune thresholds' learning rate; None: OPTIMIZER_DEFAULTS (sgd: the paper's)
     lr_merge: float | None = None  # merge thresholds' learning rate; None: OPTIMIZER_DEFAULTS
     merge_init: float | None = None  # initial merge thresholds; None: OPTIMIZER_DEFAULTS (sgd: 0.9, the paper's)
@@ -90,14 +94,24 @@ class TrainConfig:
 #: - sgd: the paper's (lr 5e-3 merge, 5e-6 prune; the reference code's merge init 0.9).
 OPTIMIZER_DEFAULTS = {
     "adam": {"lr_merge": 2e-3, "lr_prune": 2e-4, "merge_init": 1.0},
+    "group": {"lr_merge": 2e-3, "lr_prune": 2e-4, "merge_init": 1.0},
     "sgd": {"lr_merge": 5e-3, "lr_prune": 5e-6, "merge_init": 0.9},
 }
+
+#: The shared shift of ``budget="projected"`` meets r_target on each training batch within this tolerance.
+BUDGET_TOLERANCE = 0.005
+#: ... with at most this many eval-mode forwards of the batch per step.
+BUDGET_EVALS = 8
+
+
+#: How the budget of eq. 14 enters training (``TrainConfig.budget``).
+BUDGETS = ("penalty", "constraint", "projected")
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """The config with the optimizer's defaults filled in where a value was not given."""
     if cfg.optimizer not in OPTIMIZER_DEFAULTS:
-        raise TrainError(f"unknown --optimizer '{cfg.optimizer}'; choose adam or sgd")
+        raise TrainError(f"unknown --optimizer '{cfg.optimizer}'; choose one of: {', '.join(OPTIMIZER_DEFAULTS)}")
     given = {k: v for k, v in OPTIMIZER_DEFAULTS[cfg.optimizer].items() if getattr(cfg, k) is None}
     return dataclasses.replace(cfg, **given)
 
@@ -193,8 +207,10 @@ class EpochIndexed(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig, mu: float = 0.0,
+def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig, carry: dict[str, float] | None = None,
                     opt: torch.optim.Optimizer | None = None) -> None:
+    """Thresholds, optimizer state and ``carry`` (the budget's own state: ``mu`` of ``budget="constraint"``, the
+    last shift's size of ``budget="projected"``) at ``step``, written atomically."""
     from safetensors.torch import save_file
 
     tensors = {k: v.contiguous() for k, v in threshold_tensors(model).items()}
@@ -202,7 +218,7 @@ def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig, m
         for key, value in state.items():
             tensors[f"opt.{i}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
     meta = {"format": "ltmp-train-checkpoint", "step": str(step), "config": json.dumps(dataclasses.asdict(cfg)),
-            "mu": repr(mu)}
+            **{k: repr(float(v)) for k, v in (carry or {}).items()}}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
@@ -216,9 +232,10 @@ RESUME_KEYS = ("model", "data_dir", "method", "importance", "r_target", "batch_s
 LEGACY = {"distill": 0.0}
 
 
-def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tuple[int, float, dict]:
+def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tuple[int, dict[str, float], dict]:
     """Restore thresholds from a training checkpoint made with the same settings; returns the step to continue
-    from, the budget multiplier mu (``budget="constraint"``) and the optimizer's per-parameter state."""
+    from, the budget's state (``mu``, ``shift_step``; see :func:`save_checkpoint`) and the optimizer's
+    per-parameter state."""
     from safetensors import safe_open
 
     try:
@@ -241,7 +258,8 @@ def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tup
         _, i, name = key.split(".", 2)
         opt_state.setdefault(int(i), {})[name] = tensors.pop(key)
     set_thresholds(model, tensors, str(path))
-    return int(meta["step"]), float(meta.get("mu", "0.0")), opt_state
+    carry = {k: float(meta.get(k, "0.0")) for k in ("mu", "shift_step")}
+    return int(meta["step"]), carry, opt_state
 
 
 # ---------------------------------------------------------------------------------------------------------- train
@@ -278,8 +296,8 @@ def validate(cfg: TrainConfig) -> None:
         raise TrainError(f"--r-target must lie in (0, 1], got {cfg.r_target}")
     if cfg.method not in LEARNED:
         raise TrainError(f"--method {cfg.method} has no thresholds to train; choose one of: {', '.join(LEARNED)}")
-    if cfg.budget not in ("penalty", "constraint"):
-        raise TrainError(f"unknown --budget '{cfg.budget}'; choose penalty or constraint")
+    if cfg.budget not in BUDGETS:
+        raise TrainError(f"unknown --budget '{cfg.budget}'; choose one of: {', '.join(BUDGETS)}")
     if not 0.0 <= cfg.distill <= 1.0:
         raise TrainError(f"--distill is a weight in [0, 1] (0: labels only, 1: teacher only), got {cfg.distill}")
     if cfg.batch_size < 1 or (cfg.steps is not None and cfg.steps < 1) or cfg.epochs <= 0:
@@ -319,18 +337,18 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     threshold_training_mode(model)
     train_set, indices, val_set, data_cfg = build_train_data(cfg, model)
     steps = total_steps(cfg, len(indices))
-    start, mu, opt_state = 0, 0.0, {}
+    start, carry, opt_state = 0, {"mu": 0.0, "shift_step": 0.0}, {}
     if cfg.calibrate and not (resume and ckpt_path.exists()):
         calibrate(model, calibration_batch(model, train_set.root, cfg.calibrate_images, cfg.seed + 31, indices,
                                            train_set.classes), cfg.r_target, device)
         threshold_training_mode(model)
     if resume and ckpt_path.exists():
-        start, mu, opt_state = load_checkpoint_state(model, ckpt_path, cfg)
+        start, carry, opt_state = load_checkpoint_state(model, ckpt_path, cfg)
     elif resume and (out / "thresholds.safetensors").exists():
         raise TrainError(f"{out} holds a finished run and no checkpoint; nothing to resume")
 
     net: nn.Module = model
-    if ddp.world > 1:
+    if ddp.world > 1 and cfg.budget != "projected":  # projected_gradients all-reduces its own gradients
         net = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.compile:
         net = compile_model(net, device, train=True)
@@ -338,10 +356,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     prune_p = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
     groups = [g for g in ({"params": merge_p, "lr": cfg.lr_merge}, {"params": prune_p, "lr": cfg.lr_prune})
               if g["params"]]
-    if cfg.optimizer == "adam":
-        opt = torch.optim.Adam(groups)
-    else:
-        opt = torch.optim.SGD(groups, momentum=0.0)
+    opt = {"adam": torch.optim.Adam, "group": GroupAdam, "sgd": torch.optim.SGD}[cfg.optimizer](groups)
     if opt_state:
         saved = opt.state_dict()
         saved["state"] = opt_state
@@ -396,21 +411,32 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                     target_logits = logits_of(teacher(imgs))  # (B, classes)
                 kd = distill_loss(logits.float(), target_logits.float())
                 task = (1 - cfg.distill) * ce + cfg.distill * kd
-            r = mean_r_flops(model)  # the global batch's mean under torchrun
-            reg = budget_loss_value(r, cfg.r_target)  # eq. 14, as ltmp.budget_loss
-            loss = task + cfg.lam * reg  # eq. 15, with the distillation term in the task loss if asked
-            if cfg.budget == "constraint":
-                loss = loss + mu * (r - cfg.r_target)
             empty_runs = _collapse_check(model, ddp, empty_runs)
             if max(empty_runs) >= COLLAPSE_STEPS:
                 raise TrainError(_collapse_message(model, cfg, empty_runs.index(max(empty_runs)), step + 1))
             opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            project_thresholds(model, merge_p, prune_p)
-            if cfg.budget == "constraint":  # dual ascent; r is the global batch's on every rank
-                mu += 2 * cfg.lam * (float(r.detach()) - cfg.r_target)
+            if cfg.budget == "projected":
+                r = projected_gradients(model, task, merge_p, prune_p, ddp, scaler.get_scale()
+                                        if scaler.is_enabled() else 1.0)
+                if all(p.grad is None or torch.isfinite(p.grad).all() for p in merge_p + prune_p):
+                    opt.step()
+                project_thresholds(model, merge_p, prune_p)
+                shift = meet_budget(model, imgs, cfg, device, ddp, carry["shift_step"])
+                carry["shift_step"] = abs(shift["shift"]) or carry["shift_step"]
+                reg = budget_loss_value(r, cfg.r_target)
+                loss = task + cfg.lam * reg  # logged only: the step above follows the task loss alone
+            else:
+                r = mean_r_flops(model)  # the global batch's mean under torchrun
+                reg = budget_loss_value(r, cfg.r_target)  # eq. 14, as ltmp.budget_loss
+                loss = task + cfg.lam * reg  # eq. 15, with the distillation term in the task loss if asked
+                if cfg.budget == "constraint":
+                    loss = loss + carry["mu"] * (r - cfg.r_target)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                project_thresholds(model, merge_p, prune_p)
+                if cfg.budget == "constraint":  # dual ascent; r is the global batch's on every rank
+                    carry["mu"] += 2 * cfg.lam * (float(r.detach()) - cfg.r_target)
             seen += imgs.shape[0] * ddp.world
             done = step + 1
             if ddp.main:
@@ -419,8 +445,10 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                                                                                     *prune_p)])
                 loss_v, ce_v, task_v, reg_v, r_v, *th = values.tolist()  # one host synchronisation per step
                 last = {"step": done, "loss": loss_v, "ce": ce_v, "budget": reg_v, "r_flops": r_v,
-                        "images_per_s": round(ips, 1), "skipped": skipped, "mu": mu,
+                        "images_per_s": round(ips, 1), "skipped": skipped, "mu": carry["mu"],
                         "merge": th[:len(merge_p)], "prune": th[len(merge_p):]}
+                if cfg.budget == "projected":  # the shared shift and the r_FLOPs it reached on this batch
+                    last.update(shift=shift["shift"], r_flops_met=shift["r_flops"], budget_evals=shift["evals"])
                 if teacher is not None:
                     last["task"] = task_v  # (1 - w) CE + w KL
                 if done % cfg.log_every == 0 or done == steps:
@@ -430,7 +458,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_v:.3f}", r_flops=f"{r_v:.3f}", img_s=f"{ips:.0f}")
                 if done % cfg.checkpoint_every == 0 and done < steps:
-                    save_checkpoint(model, ckpt_path, done, cfg, mu, opt)
+                    save_checkpoint(model, ckpt_path, done, cfg, carry, opt)
     finally:
         if bar is not None:
             bar.close()
@@ -443,14 +471,17 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         if not ddp.main:
             return result
     meta = {"r_target": repr(cfg.r_target), "steps": str(steps)}
+    images, where = settle_images(cfg, model, train_set, indices, val_set)
     if cfg.settle:
-        images, where = settle_images(cfg, model, train_set, indices, val_set)
         result["settle"] = {**settle(model, images, cfg.r_target, device, amp=cfg.amp), "on": where}
         threshold_training_mode(model)
         meta.update({"r_flops_trained": repr(result["settle"]["r_flops_trained"]),
                      "r_flops_settled": repr(result["settle"]["r_flops"]),
                      "settle_shift": repr(result["settle"]["shift"]), "settled_on": where})
     save_thresholds(model, out / "thresholds.safetensors", extra=meta)
+    # where the learned thresholds reduce, against one shared threshold at the same r_FLOPs (on the same images)
+    result["allocation"] = {**allocation(model, images[:ALLOCATION_IMAGES], device, cfg.batch_size), "on": where}
+    threshold_training_mode(model)
     if ckpt_path.exists():
         ckpt_path.unlink()
     result["thresholds"] = str(out / "thresholds.safetensors")
@@ -458,8 +489,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         loader = DataLoader(val_set, batch_size=cfg.batch_size, num_workers=cfg.workers,
                             collate_fn=ldata.collate_skip)
         result["eval"] = evaluate(model, loader, device, amp=cfg.amp, progress=progress, model_name=cfg.model)
-        if "settle" in result:
-            result["eval"]["settle"] = result["settle"]
+        for key in ("settle", "allocation"):
+            if key in result:
+                result["eval"][key] = result[key]
         atomic_write(out / "eval.json", lambda tmp: Path(tmp).write_text(json.dumps(result["eval"], indent=2)))
     return result
 
@@ -488,6 +520,108 @@ def distill_loss(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Ten
                     reduction="batchmean")
 
 
+class GroupAdam(torch.optim.Optimizer):
+    """Adam normalised per parameter group: every threshold keeps its own first moment (momentum), but the step is
+    divided by the root of the group's mean second moment, not by each threshold's own. Within a group (the merge
+    thresholds, the prune thresholds) the steps keep the relative sizes of their gradients, which Adam's
+    per-parameter normalisation removes; ``lr`` is the root-mean-square step of the group."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-12):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            live = [p for p in group["params"] if p.grad is not None]
+            if not live:
+                continue
+            b1, b2 = group["betas"]
+            for p in live:
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                state["exp_avg"].lerp_(p.grad, 1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            t = float(self.state[live[0]]["step"])
+            second = torch.stack([self.state[p]["exp_avg_sq"] for p in live]).mean() / (1 - b2 ** t)
+            scale = group["lr"] / (1 - b1 ** t) / (second.sqrt() + group["eps"])
+            for p in live:
+                p.sub_(scale * self.state[p]["exp_avg"])
+
+
+def threshold_units(model: nn.Module, merge: list[nn.Parameter], prune: list[nn.Parameter]) -> torch.Tensor:
+    """The typical scale of each threshold's scores, in which the budget component of a gradient is removed
+    (:func:`projected_gradients`): 1 for merge thresholds (cosine similarities); the mean importance of a token,
+    ``1/n`` for mean column attention (eq. 17) and ``heads/n`` for class attention (eq. 16), for prune thresholds.
+    """
+    top = score_ranges(model)["prune_threshold"][1]
+    n = vit_spec(model).num_patches
+    return torch.tensor([1.0] * len(merge) + [top / n] * len(prune), dtype=torch.float64)
+
+
+def projected_gradients(model: nn.Module, task: torch.Tensor, merge: list[nn.Parameter],
+                        prune: list[nn.Parameter], ddp: Dist, scale: float = 1.0) -> torch.Tensor:
+    """Set each threshold's ``.grad`` to the task loss's gradient with its budget component removed, and return the
+    global batch's mean r_FLOPs (eq. 13) of the last forward.
+
+    The step then moves the thresholds along the budget's level set (r_FLOPs unchanged to first order), so the
+    task loss alone decides where the reduction goes; :func:`meet_budget` restores the budget. At a fixed point the
+    task loss's gradient is parallel to r_FLOPs' (the Lagrange condition of eq. 14 as a constraint): removing one
+    more FLOP costs the same loss in every block. The projection is taken in :func:`threshold_units`. Under
+    torchrun both gradients are averaged over the ranks here (``scale``: a loss scale for fp16 gradients).
+    """
+    params = merge + prune
+    r = r_flops(model).mean()  # this rank's images
+    g_task = torch.autograd.grad(task * scale, params, retain_graph=True, allow_unused=True)
+    g_r = torch.autograd.grad(r, params, allow_unused=True)
+    flat = torch.stack([torch.zeros((), dtype=torch.float64) if g is None else g.detach().double().cpu() / s
+                        for g, s in zip(g_task + g_r, [scale] * len(params) + [1.0] * len(params))])  # (2P,)
+    flat = torch.cat([flat, r.detach().double().cpu().reshape(1)])  # (2P + 1,)
+    if ddp.world > 1:
+        dist.all_reduce(flat)
+        flat /= ddp.world
+    units = threshold_units(model, merge, prune)  # (P,)
+    g, n = flat[:len(params)] * units, flat[len(params):-1] * units  # (P,) each, gradients in those units
+    norm = float(n @ n)
+    tangent = g - (float(g @ n) / norm) * n if norm > 0 else g  # (P,)
+    for p, t in zip(params, (tangent / units).tolist()):  # back to each threshold's own units
+        p.grad = torch.full_like(p, t)
+    return flat[-1].to(device=task.device, dtype=torch.float32)
+
+
+@torch.no_grad()
+def meet_budget(model: nn.Module, imgs: torch.Tensor, cfg: TrainConfig, device: torch.device, ddp: Dist,
+                step: float) -> dict:
+    """Shift the merge thresholds (the prune thresholds for ``ltp``) by one amount until eval-mode r_FLOPs of
+    this batch (the global batch under torchrun) meet r_target within ``BUDGET_TOLERANCE``, as
+    :func:`ltmp.calibrate.settle` does once after training (:func:`ltmp.calibrate.shift_to_budget`; ``step``:
+    the size of the last shift, where the search starts). Returns the shift, the r_FLOPs reached and the number
+    of eval forwards."""
+    merge = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
+    params = merge or [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
+    low, top = score_ranges(model)["merge_threshold" if merge else "prune_threshold"]
+    base = [p.detach().clone() for p in params]
+
+    def apply(shift: float) -> None:
+        for p, b in zip(params, base):
+            p.copy_((b + shift).clamp(low, top))
+
+    def r_now() -> float:
+        model.eval()
+        with amp_context(cfg.amp, device):
+            model(imgs)
+        total = torch.stack([r_flops(model).sum().double().cpu(), torch.tensor(float(len(imgs)), dtype=torch.float64)])
+        if ddp.world > 1:
+            dist.all_reduce(total)
+        threshold_training_mode(model)
+        return float(total[0] / total[1])
+
+    shift, r, evals = shift_to_budget(apply, r_now, bool(merge), cfg.r_target, BUDGET_TOLERANCE, step, top - low,
+                                      BUDGET_EVALS)
+    return {"shift": shift, "r_flops": r, "evals": evals}
+
+
 @torch.no_grad()
 def project_thresholds(model: nn.Module, merge: list[nn.Parameter], prune: list[nn.Parameter]) -> None:
     """Keep each threshold inside the range of the scores it compares (as the reference code clamps to [0, 1]):
@@ -509,9 +643,14 @@ COLLAPSE_STEPS = 10
 def _collapse_check(model: nn.Module, ddp: Dist, runs: list[int] | None) -> list[int]:
     """For each block, for how many steps in a row it has left no patch token in any image of the global batch
     (a model that keeps one patch token by design, ``keep_one``, counts as empty with one). There the thresholds'
-    surrogate gradients (eq. 2) all but vanish, so training may not bring the tokens back."""
+    surrogate gradients (eq. 2) all but vanish, so training may not bring the tokens back. The last block of a
+    model whose head reads only its prefix tokens (``keep_one`` False) may remove every patch token: nothing
+    after it reads them, so that costs no accuracy."""
     rec = stats(model)
-    alive = (rec.kept.amax(0) > int(model.ltmp_config.keep_one)).to(torch.int32)  # (L,) on this rank
+    keep_one = model.ltmp_config.keep_one
+    alive = (rec.kept.amax(0) > int(keep_one)).to(torch.int32)  # (L,) on this rank
+    if not keep_one:
+        alive[-1] = 1
     if ddp.world > 1:
         dist.all_reduce(alive, op=dist.ReduceOp.MAX)
     runs = runs or [0] * len(alive)
