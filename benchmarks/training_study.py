@@ -1,9 +1,11 @@
-"""Held-out training studies of issue #16: which eq. 6 mask-gradient form, and which procedure, trains best.
+"""Held-out training studies of issues #16 and #36: which eq. 6 mask-gradient form, which procedure, and which
+way of meeting the budget trains best.
 
-Each run is one ``ltmp train`` of the CIFAR-10 ViT (``../shared``): SGD, batch 128, tau 0.1, lambda 10, ``STEPS``
-steps, light augmentation, 2% of train held out. Its ``eval.json`` is on those 1,000 held-out training images
-(never the test set). Finished runs are kept and skipped, interrupted ones resume, so the script can be stopped
-and started again:
+Each run is one ``ltmp train`` of the CIFAR-10 ViT (``../shared``): batch 128, tau 0.1, lambda 10, light
+augmentation, the optimizer each variant names (SGD, Adam or Adam per group). The studies of #16 train for
+``STEPS`` steps with 2% of train held out and evaluate on those 1,000 held-out training images; ``allocation``
+(#36) trains one epoch with 10% held out and evaluates on those 5,000 images (``SETTINGS``). Never the test set.
+Finished runs are kept and skipped, interrupted ones resume, so the script can be stopped and started again:
 
     nohup python benchmarks/training_study.py forms procedure > runs/study.log 2>&1 &
     python benchmarks/training_study.py forms procedure --table     # the tables of what has finished
@@ -17,6 +19,11 @@ and started again:
 - ``beyond``: the defaults (``secant``, Adam) with distillation from the unreduced model's logits (``--distill
   1``) and from a calibrated start (``--calibrate``), at r_target 0.7 and 0.5, paired with ``secant-adam``;
   ``--test`` then evaluates them once on the test set.
+- ``allocation``: LTP and LTMP at r_target 0.5, with the budget as the paper's penalty (Adam, Adam per group, and
+  SGD with the paper's learning rates scaled to our steps) and as a projection (``--budget projected``, Adam and
+  Adam per group); beside each run, on the same held-out images, its fixed-rate counterpart at the same GMACs
+  (even schedule, and the run's own per-layer counts as schedule) and one shared threshold
+  (:func:`heldout_baselines`).
 
 Runs go to ``runs/study/<variant>-r<target>``. What the tables use of them (each run's held-out and test
 evaluation, or why it stopped) is kept in ``RAW`` (``results/training_study.json``, committed); ``--render``

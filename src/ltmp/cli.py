@@ -123,8 +123,15 @@ def cmd_eval(args) -> int:
     from .runtime import compile_model, create_model, pick_device
 
     gmacs = args.match_gmacs if args.match is None else _eval_json(args.match, "--match")["gmacs"]
+    shape = None
+    if args.follow:  # the rate spread over the layers like the tokens that run removed, at its GMACs by default
+        if args.method not in FIXED_RATE:
+            raise CLIError(f"--follow spreads a fixed rate like another run; pass --method {' or '.join(FIXED_RATE)}")
+        followed = _eval_json(args.follow, "--follow")
+        shape = [layer["merged"] + layer["pruned"] for layer in followed["per_layer"]]
+        gmacs = followed["gmacs"] if gmacs is None else gmacs
     model = _reduced_model(args, create_model(args.model, args.pretrained, args.checkpoint,
-                                              (args.data_dir, args.val_split)), gmacs, dense_ok=True)
+                                              (args.data_dir, args.val_split)), gmacs, dense_ok=True, shape=shape)
     dataset = ldata.eval_set(model, args.data_dir, args.val_split, args.max_images)
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
                         collate_fn=ldata.collate_skip)
@@ -158,10 +165,11 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _reduced_model(args, model, gmacs: float | None = None, dense_ok: bool = False):
+def _reduced_model(args, model, gmacs: float | None = None, dense_ok: bool = False,
+                   shape: list[float] | None = None):
     """``model`` with the reduction that --thresholds or --method/--r/--k name; with ``gmacs``, a fixed-rate
-    method gets the per-layer schedule closest to those GMACs instead of --r/--k. ``dense_ok``: no reduction
-    named (or ``--method dense``) returns ``model`` as it is."""
+    method gets the per-layer schedule closest to those GMACs instead of --r/--k (spread like ``shape``, see
+    ``rate_schedule``). ``dense_ok``: no reduction named (or ``--method dense``) returns ``model`` as it is."""
     from .flops import rate_schedule
     from .patching import patch, vit_spec
     from .thresholds import load_thresholds
@@ -176,7 +184,7 @@ def _reduced_model(args, model, gmacs: float | None = None, dense_ok: bool = Fal
         raise CLIError(f"--method {args.method} needs learned thresholds: pass --thresholds FILE")
     rate = _rates(args.r if args.method == "tome" else args.k)
     if gmacs is not None:
-        rate = rate_schedule(vit_spec(model), gmacs, args.method)
+        rate = rate_schedule(vit_spec(model), gmacs, args.method, shape)
     return patch(model, args.method, **{"r" if args.method == "tome" else "k": rate})
 
 
@@ -335,6 +343,10 @@ def cmd_calibrate(args) -> int:
     from .runtime import pick_device
     from .thresholds import save_thresholds
 
+    if (args.r_target is None) == (args.match is None):
+        raise CLIError("pass --r-target R, or --match EVAL_JSON to meet the r_FLOPs of another run")
+    if args.match is not None:
+        args.r_target = _eval_json(args.match, "--match")["r_flops"]
     if not 0 < args.r_target <= 1:
         raise CLIError(f"--r-target must lie in (0, 1], got {args.r_target}")
     model, name = _load_model(args)
@@ -484,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--match-gmacs", type=float,
                    help="fixed-rate methods: pick the per-layer r (or k) schedule closest to these GMACs")
     e.add_argument("--match", help="fixed-rate methods: match the GMACs of this eval JSON")
+    e.add_argument("--follow", metavar="EVAL_JSON",
+                   help="fixed-rate methods: spread the rate over the layers like the tokens this run removed per "
+                        "layer, at its GMACs (or those of --match/--match-gmacs): its allocation, without "
+                        "per-image adaptivity")
     e.add_argument("--compare", help="eval JSON of another run on the same images: paired McNemar test")
     e.add_argument("--max-images", type=int, help="evaluate N images spread evenly over the split")
     e.add_argument("--json", help="write the full result here")
@@ -533,7 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="thresholds without training: bisected to hit r_target on a few images")
     _add_model_args(c, required=False)
     c.add_argument("--data-dir", help="ImageFolder root (train/ is used) or .tar.gz (default: the bundled subset)")
-    c.add_argument("--r-target", type=float, required=True)
+    c.add_argument("--r-target", type=float, help="FLOPs reduction target in (0, 1]")
+    c.add_argument("--match", metavar="EVAL_JSON", help="instead of --r-target: the r_FLOPs of this eval JSON (e.g. "
+                   "a trained run's, for one shared threshold at the same budget)")
     c.add_argument("--method", default="ltmp", choices=LEARNED)
     c.add_argument("--mode", default="shared", choices=["shared", "quantile"],
                    help="shared: one merge threshold for every layer (matched trained thresholds on CIFAR-10); "

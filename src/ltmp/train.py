@@ -305,7 +305,8 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict:
-    """Train the thresholds of one model (paper section 4): frozen backbone, SGD, loss of eq. 15.
+    """Train the thresholds of one model (paper section 4): frozen backbone, the loss of eq. 15 (its budget as a
+    penalty, a dual-ascent constraint or a projection, ``cfg.budget``), Adam by default (the paper: SGD).
 
     Writes into ``cfg.output``: ``config.json``, ``log.jsonl``, ``checkpoint.safetensors`` (every
     ``checkpoint_every`` steps, atomically) and finally ``thresholds.safetensors``. Only rank 0 writes.
