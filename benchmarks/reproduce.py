@@ -18,8 +18,9 @@ the first and last training step, the per-layer distributions and the convergenc
 from the runs folder and renders the document from it; ``--render`` renders from it alone.
 
 The recipe: the paper's loss, batch 128, tau 0.1, lambda 10, frozen backbone, ``STEPS`` optimizer steps instead of
-one epoch (claim 6) and ``ltmp train``'s defaults (``DEFAULT``: Adam, secant mask gradient, thresholds starting
-from no reduction; docs/training.md has the evidence). ``BEFORE`` holds the tables of the recipe before issue #16.
+one epoch (claim 6) and ``ltmp train``'s defaults between issues #16 and #36 (``DEFAULT``: Adam, secant mask
+gradient, thresholds starting from no reduction; docs/training.md has the evidence); claim 8 compares those with
+the defaults since #36 (``PREREG_RECIPES``). ``BEFORE`` holds the tables of the recipe before issue #16.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from ltmp.thresholds import atomic_write
 STEPS = 50  # optimizer steps of batch 128 per run (6,400 training images), as before issue #16
 EPOCH_STEPS = 382  # one epoch of the 49,000 training images left after the 2% hold-out
 COMMON = ["--augment", "light", "--holdout", "0.02", "--checkpoint-every", "10", "--no-settle"]  # training alone
-DEFAULT = ["--optimizer", "adam", "--mask-grad", "secant", "--merge-grad", "average"]  # ltmp train's defaults
+DEFAULT = ["--optimizer", "adam", "--mask-grad", "secant", "--merge-grad", "average"]  # the defaults of #16-#36
 RECIPE = COMMON + DEFAULT  # spelled out, so that a later change of defaults starts a new runs folder
 RECIPE_NAME = "adam-secant-average"  # runs folder of this recipe (before issue #16: lrp3e-4-mi1.0)
 TARGETS = (0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45)  # claim 1 (Table 2, Figure 4)
@@ -384,11 +385,12 @@ PREREG_COMMON = ["--augment", "light", "--holdout", "0.02", "--checkpoint-every"
 #: the recipes compared: the default chosen by the held-out study (benchmarks/training_study.py allocation) and
 #: the default before issue #36; spelled out, so that a later change of defaults starts new runs
 PREREG_RECIPES = {
-    "projected": ["--budget", "projected", "--optimizer", "group"],
-    "penalty": ["--budget", "penalty", "--optimizer", "adam"],
+    "sgd": ["--budget", "penalty", "--optimizer", "sgd"],  # learning rates: the paper's, scaled to 382 steps
+    "adam": ["--budget", "penalty", "--optimizer", "adam"],
 }
 FIXED = {"ltmp": "tome", "ltp": "topk-prune"}  # the fixed-rate counterpart of each learned method in claim 8
-DEFAULT_RECIPE = "projected"  # the key of PREREG_RECIPES that is ltmp train's default
+DEFAULT_RECIPE = "sgd"  # the key of PREREG_RECIPES that is ltmp train's default
+BEFORE_RECIPE = "adam"  # ... and the key of the default before issue #36
 
 
 def prereg_runs(jobs: Jobs, method: str, t: float, seed: int) -> dict:
@@ -845,7 +847,7 @@ def claim8(c8: dict, tests: Tests, S: list) -> list[str]:
     verdicts: dict[tuple[str, str], list] = {}  # (method, comparison) -> per budget (r_target, difference, Holm p)
     L = ["", "## 8. Learned allocation (issue #36), pre-registered", "",
          PREREGISTRATION.format(default=" ".join(PREREG_RECIPES[d_name]),
-                                before=" ".join(PREREG_RECIPES["penalty"])), ""]
+                                before=" ".join(PREREG_RECIPES[BEFORE_RECIPE])), ""]
 
     def cell(key: tuple, pairs: list[tuple[dict, dict]], expected: int) -> tuple[str, float | None, float | None]:
         if len(pairs) < expected:
@@ -868,7 +870,7 @@ def claim8(c8: dict, tests: Tests, S: list) -> list[str]:
               "reallocated vs shared |", "|---|---|---|---|---|---|---|---|---|---|"]
         for t in targets:
             runs = [c8.get((method, t, s)) or {} for s in PREREG_SEEDS]
-            new = [r for r in runs if r.get(d_name) is not None]
+            new = [r[d_name] for r in runs if r.get(d_name) is not None]
             n = len(PREREG_SEEDS)
 
             def pairs(a: str, b: str, runs: list[dict] = runs) -> list[tuple[dict, dict]]:
@@ -878,8 +880,9 @@ def claim8(c8: dict, tests: Tests, S: list) -> list[str]:
             ctrl, dc, pc = cell(("8", method, t, "follow"), pairs(d_name, f"{d_name}/follow"), n)
             alloc, da, pa = cell(("8", method, t, "allocation"), pairs(f"{d_name}/follow", f"{d_name}/even"), n)
             shared, ds, ps = cell(("8", method, t, "shared"), pairs(d_name, f"{d_name}/shared"), n)
-            quads = [(r[d_name], r[f"{d_name}/even"], r["penalty"], r["penalty/even"]) for r in runs
-                     if all(r.get(k) is not None for k in (d_name, f"{d_name}/even", "penalty", "penalty/even"))]
+            b_name = BEFORE_RECIPE
+            quads = [(r[d_name], r[f"{d_name}/even"], r[b_name], r[f"{b_name}/even"]) for r in runs
+                     if all(r.get(k) is not None for k in (d_name, f"{d_name}/even", b_name, f"{b_name}/even"))]
             if len(quads) < n:
                 old, dold, pold = f"pending ({len(quads)} of {n} seeds)", None, None
             else:  # each recipe against its own counterpart; the images of all seeds in one paired t-test

@@ -225,7 +225,7 @@ def heldout_baselines(folder: Path, method: str) -> None:
     full = ldata.ImageFolder(ldata.split_dir(root, "train"), eval_tf)
     _, held = ldata.holdout_split(len(full), cfg["holdout"], cfg["seed"])
     loader = DataLoader(Subset(full, held), batch_size=128, num_workers=2, collate_fn=ldata.collate_skip)
-    spec = ltmp.vit_spec(ltmp.patch(copy.deepcopy(dense), FIXED[method], **{"r" if method == "ltmp" else "k": 0}))
+    spec = ltmp.vit_spec(dense)
     removed = [layer["merged"] + layer["pruned"] for layer in ev["per_layer"]]
     fixed = FIXED[method]
     for name, shape in (("heldout-even.json", None), ("heldout-schedule.json", removed)):

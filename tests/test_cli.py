@@ -73,7 +73,7 @@ def test_train_writes_thresholds_config_log_and_eval(tiny_model, tiny_data, tmp_
     assert [e["step"] for e in log] == [1, 2, 3, 4, 5]
     assert {"loss", "r_flops", "images_per_s"} <= set(log[0])
     cfg = json.loads((out / "config.json").read_text())
-    assert (cfg["optimizer"], cfg["lr_merge"], cfg["merge_init"]) == ("adam", 2e-3, 1.0)  # the optimizer's defaults
+    assert (cfg["optimizer"], cfg["lr_merge"], cfg["merge_init"]) == ("sgd", 5e-3 * 9809 / 5, 1.0)  # the defaults
     assert cfg["lr_prune"] == 5e-3 and cfg["total_steps"] == 5 and cfg["data_config"]["input_size"] == [3, 32, 32]
     ev = json.loads((out / "eval.json").read_text())
     assert ev["images"] == 18 and len(ev["per_layer"]) == 3
@@ -104,14 +104,20 @@ def test_train_settles_the_budget_on_held_out_images(tiny_model, tiny_data, tmp_
 
 
 def test_optimizer_defaults_fill_only_what_is_not_given():
-    """--optimizer sgd without learning rates is the paper's recipe; a value given is kept."""
+    """The default, SGD, has the paper's learning rates on its one ImageNet epoch (9809 steps of 128) and moves the
+    thresholds as far in a run of any other length; Adam's are per step. A value given is kept."""
     from ltmp.train import TrainConfig, resolve
 
     base = dict(model="m", data_dir="d", output="o", r_target=0.5)
-    sgd = resolve(TrainConfig(**base, optimizer="sgd"))
-    assert (sgd.lr_merge, sgd.lr_prune, sgd.merge_init) == (5e-3, 5e-6, 0.9)
-    adam = resolve(TrainConfig(**base, lr_prune=1e-3))
-    assert (adam.optimizer, adam.lr_merge, adam.lr_prune, adam.merge_init) == ("adam", 2e-3, 1e-3, 1.0)
+    paper = resolve(TrainConfig(**base), steps=9809)
+    assert (paper.optimizer, paper.lr_merge, paper.lr_prune, paper.merge_init) == ("sgd", 5e-3, 5e-6, 1.0)
+    cifar = resolve(TrainConfig(**base, merge_init=0.9), steps=351)  # one CIFAR-10 epoch: 28x the paper's steps
+    assert (cifar.lr_merge, cifar.lr_prune) == pytest.approx((0.1397, 1.397e-4), rel=1e-3)
+    assert cifar.merge_init == 0.9
+    unknown = resolve(TrainConfig(**base))  # before the run's length is known
+    assert (unknown.lr_merge, unknown.lr_prune, unknown.merge_init) == (None, None, 1.0)
+    adam = resolve(TrainConfig(**base, optimizer="adam", lr_prune=1e-3), steps=351)
+    assert (adam.lr_merge, adam.lr_prune, adam.merge_init) == (2e-3, 1e-3, 1.0)
 
 
 def test_distill_mixes_label_and_teacher_terms(tiny_model, tiny_data, tmp_path, capsys):
@@ -321,8 +327,8 @@ def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, ca
         (tmp_path / "w.pth").write_bytes(b"not a checkpoint")
         args = train_args(tiny_model, tiny_data, out, "--checkpoint", str(tmp_path / "w.pth"))
         expect = "cannot load checkpoint"
-    elif case == "collapse":  # a prune step so large that block 1 prunes every patch token from step 2 on
-        args = train_args(tiny_model, tiny_data, out, "--steps", "20")
+    elif case == "collapse":  # an Adam prune step so large that block 1 prunes every patch token from step 2 on
+        args = train_args(tiny_model, tiny_data, out, "--steps", "20", "--optimizer", "adam")
         args[args.index("5e-3")], args[args.index("0.6")] = "1e4", "0.2"
         expect = ("training stopped at step 11: block 1 removed every patch token of every image for 10 steps in a "
                   "row (merge threshold ")
