@@ -6,6 +6,7 @@ the demo's recipe and variants of it on the bundled model, and evaluates each, a
 1,000 images and on all 10,000 CIFAR-10 test images (``../shared``):
 
 - ``demo``: the demo's recipe (``ltmp.demo.DemoConfig``'s training settings);
+- ``demo-adam``: the same with Adam, the default before issue #36;
 - ``no-calibrate``: without the calibrated start;
 - ``holdout``: settled on 10% of the subset held out instead of on training images;
 - ``full``: one epoch of the whole CIFAR-10 train split at batch 128 (the recipe the 10,000-image results use).
@@ -27,6 +28,7 @@ DEMO = DemoConfig()
 BASE = ["--batch-size", str(DEMO.batch_size), "--epochs", str(DEMO.epochs), "--augment", DEMO.augment]
 VARIANTS = {
     "demo": [*BASE, "--calibrate"],
+    "demo-adam": [*BASE, "--calibrate", "--optimizer", "adam"],
     "no-calibrate": BASE,
     "holdout": [*BASE, "--calibrate", "--holdout", "0.1"],
     "full": ["--data-dir", DATA, "--augment", DEMO.augment],

@@ -109,6 +109,22 @@ def test_demo_writes_table_plot_and_token_picture(tiny_model, tiny_data, tmp_pat
     assert abs(res["rows"][2]["gmacs"] - ltmp_row["gmacs"]) / ltmp_row["gmacs"] < 0.1
     assert all(r["batch"] == 18 and r["throughput"] > 0 for r in res["rows"])  # all 18 eval images in one batch
     assert res["speed"] in (out / "results.md").read_text() and res["speed"] in printed
+    assert res["accuracy"] in printed and res["accuracy"].startswith("Accuracy: LTMP - ToMe at the same GMACs on "
+                                                                     "these 18 images: ")
+
+
+def test_accuracy_sentence_says_whether_the_paired_test_tells_the_difference_from_noise():
+    from ltmp.demo import accuracy_sentence
+
+    rows = [{"method": "dense", "top1": 70.0}, {"method": "ltmp", "r_target": "0.7", "top1": 69.0},
+            {"method": "tome", "r_target": "(match 0.7)", "top1": 68.5, "mcnemar_p": 0.41},
+            {"method": "ltmp", "r_target": "0.5", "top1": 63.7},
+            {"method": "tome", "r_target": "(match 0.5)", "top1": 65.4, "mcnemar_p": 0.012}]
+    assert accuracy_sentence(rows, 1000, bundled=True) == (
+        "Accuracy: LTMP - ToMe at the same GMACs on these 1,000 images: +0.50 points at r_target 0.7 (paired "
+        "p=0.41, within noise); -1.70 points at r_target 0.5 (paired p=0.012, a real difference). The same "
+        "comparison on all 10,000 CIFAR-10 test images: docs/results.md.")
+    assert accuracy_sentence(rows[:3], 18).endswith("(paired p=0.41, within noise).")
 
 
 def test_speed_sentence_follows_the_numbers():

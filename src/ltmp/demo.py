@@ -140,10 +140,11 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
                      layer_groups(viz_model, x)))
     plot_layers(pics, out / "tokens.png", title=f"ltmp r_target {last}: merged groups (mean colour), pruned (grey)")
     where = f"{device}, {torch.get_num_threads()} threads"
-    table = format_table(rows) + "\n\n" + speed_sentence(rows, where)
+    accuracy = accuracy_sentence(rows, len(val_set), bundled=cfg.model is None and cfg.data_dir is None)
+    table = format_table(rows) + "\n\n" + accuracy + "\n\n" + speed_sentence(rows, where)
     summary = {"rows": rows, "output": str(out.resolve()), "seconds": time.perf_counter() - t_start,
                "threads": torch.get_num_threads(), "device": str(device), "eval_images": len(val_set),
-               "speed": speed_sentence(rows, where)}
+               "accuracy": accuracy, "speed": speed_sentence(rows, where)}
     atomic_write(out / "results.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
     atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(table + "\n"))
     print(table)
@@ -161,6 +162,25 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"| {r['method']} | {r['r_target']} | {r['r_flops']:.3f} | {r['gmacs']:.4f} | "
                      f"{r['top1']:.2f} ({lo:.1f}-{hi:.1f}) | {r['latency_ms']:.2f} | {r['throughput']:.0f} |")
     return "\n".join(lines)
+
+
+def accuracy_sentence(rows: list[dict], images: int, bundled: bool = False) -> str:
+    """One sentence on LTMP against ToMe at the same GMACs: the difference in top-1 per r_target and whether the
+    paired test on these images (exact McNemar, ``mcnemar_p`` of each ToMe row) tells it from noise.
+
+    Args:
+        rows: The demo's rows; each ``ltmp`` row followed by its ``tome`` row.
+        images: How many images both were evaluated on.
+        bundled: The bundled model and images: point to the comparison on the full test set.
+    """
+    parts = []
+    for lt, tm in zip(rows, rows[1:]):
+        if lt["method"] == "ltmp" and tm["method"] == "tome":
+            p = tm["mcnemar_p"]
+            parts.append(f"{lt['top1'] - tm['top1']:+.2f} points at r_target {lt['r_target']} (paired p={p:.2g}, "
+                         f"{'a real difference' if p < 0.05 else 'within noise'})")
+    full = " The same comparison on all 10,000 CIFAR-10 test images: docs/results.md." if bundled else ""
+    return f"Accuracy: LTMP - ToMe at the same GMACs on these {images:,} images: {'; '.join(parts)}.{full}"
 
 
 def speed_sentence(rows: list[dict], where: str) -> str:
