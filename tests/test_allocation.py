@@ -199,9 +199,9 @@ def test_training_prunes_the_redundant_block_more_than_a_shared_threshold(redund
     block 1. The recipe before issue #36 (the budget as a penalty, Adam per parameter) moves every threshold in
     lockstep and ends where the shared threshold is.
 
-    SGD's steps are in the units of the gradient, which on this toy is smaller than on the CIFAR-10 ViT: the
-    default learning rate for 150 steps (5e-6 * 9809 / 150 = 3.3e-4) leaves the toy's thresholds short of where
-    the loss leads them, so the test sets it."""
+    SGD's steps are in the units of the gradient: on this toy the default learning rate for 150 steps
+    (5e-6 * 9809 / 150 = 3.3e-4) leaves the thresholds short of where the loss leads them (they get there after
+    about 1,000 steps), so the test sets it."""
     model, data = redundant_last_block
     a = pruned_after_training(model, data, tmp_path / "recipe", **recipe)
     assert a["r_flops"] == pytest.approx(0.85, abs=0.01)

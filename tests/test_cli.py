@@ -111,7 +111,7 @@ def test_optimizer_defaults_fill_only_what_is_not_given():
     base = dict(model="m", data_dir="d", output="o", r_target=0.5)
     paper = resolve(TrainConfig(**base), steps=9809)
     assert (paper.optimizer, paper.lr_merge, paper.lr_prune, paper.merge_init) == ("sgd", 5e-3, 5e-6, 1.0)
-    cifar = resolve(TrainConfig(**base, merge_init=0.9), steps=351)  # one CIFAR-10 epoch: 28x the paper's steps
+    cifar = resolve(TrainConfig(**base, merge_init=0.9), steps=351)  # 45,000 images: 1/28 of its steps
     assert (cifar.lr_merge, cifar.lr_prune) == pytest.approx((0.1397, 1.397e-4), rel=1e-3)
     assert cifar.merge_init == 0.9
     unknown = resolve(TrainConfig(**base))  # before the run's length is known

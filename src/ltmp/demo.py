@@ -141,10 +141,11 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     plot_layers(pics, out / "tokens.png", title=f"ltmp r_target {last}: merged groups (mean colour), pruned (grey)")
     where = f"{device}, {torch.get_num_threads()} threads"
     accuracy = accuracy_sentence(rows, len(val_set), bundled=cfg.model is None and cfg.data_dir is None)
-    table = format_table(rows) + "\n\n" + accuracy + "\n\n" + speed_sentence(rows, where)
+    speed = speed_sentence(rows, where)
+    table = format_table(rows) + "\n\n" + accuracy + "\n\n" + speed
     summary = {"rows": rows, "output": str(out.resolve()), "seconds": time.perf_counter() - t_start,
                "threads": torch.get_num_threads(), "device": str(device), "eval_images": len(val_set),
-               "accuracy": accuracy, "speed": speed_sentence(rows, where)}
+               "accuracy": accuracy, "speed": speed}
     atomic_write(out / "results.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
     atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(table + "\n"))
     print(table)

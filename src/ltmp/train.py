@@ -94,7 +94,7 @@ class TrainConfig:
 #: - sgd (the default since issue #36, chosen by ``benchmarks/training_study.py allocation``): the paper's learning
 #:   rates (5e-3 merge, 5e-6 prune), which it used for one ImageNet epoch of PAPER_STEPS steps, times
 #:   PAPER_STEPS / steps, so that a run of any length moves the thresholds as far as the paper's did (0.14 and
-#:   1.4e-4 for the 351 steps of one CIFAR-10 epoch);
+#:   1.4e-4 for the 351 steps of one epoch of 45,000 CIFAR-10 images);
 #: - adam, group: steps of about lr per step in each threshold's own units, 10x smaller for importance scores
 #:   (mean column attention, about 1/n) than for cosine similarities.
 OPTIMIZER_DEFAULTS = {
