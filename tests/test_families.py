@@ -202,10 +202,10 @@ def _dup_by_size(x: torch.Tensor, size: list[int], keep: list[bool]) -> torch.Te
 
 
 def _state(size: list[int], keep: list[bool]):
-    from ltmp.reduce import TokenState
+    from ltmp.step import Layout, TokenState
 
-    return TokenState(size=torch.tensor([size], dtype=torch.float64), keep=torch.tensor([keep], dtype=torch.float64),
-                      compact=True, merged_once=True, masked_once=True)
+    return TokenState(size=torch.tensor([size], dtype=torch.float64), layout=Layout(1, len(size)),
+                      keep=torch.tensor([keep], dtype=torch.float64), merged_once=True)
 
 
 SIZES, KEEP = [1, 3, 1, 2, 1, 4], [True, True, False, True, True, False]
@@ -217,7 +217,7 @@ def test_attention_pool_heads_weigh_merged_tokens_by_size():
     from timm.layers import AttentionPoolLatent
 
     from ltmp.adapters.hf import siglip_pool
-    from ltmp.patching import pool_bias
+    from ltmp.engine import pool_bias
 
     torch.manual_seed(0)
     x = torch.randn(1, len(SIZES), 48, dtype=torch.float64)
@@ -233,7 +233,7 @@ def test_attention_pool_heads_weigh_merged_tokens_by_size():
 
 
 def test_mean_pool_weighs_merged_tokens_by_size():
-    from ltmp.patching import mean_pool
+    from ltmp.engine import mean_pool
 
     x = torch.randn(1, len(SIZES), 5, dtype=torch.float64)
     got = mean_pool(x, _state(SIZES, KEEP), 1)

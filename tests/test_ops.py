@@ -1,6 +1,8 @@
 """The pure tensor functions of ltmp.ops against their definitions (paper eq. 1-7, 16-17, ToMe's merging)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,7 +31,7 @@ def reference_attention(q, k, v, scale, keep, size):
 def test_threshold_mask_is_hard_forward_and_sigmoid_backward():
     s = torch.tensor([0.1, 0.5, 0.5000001, 0.9], dtype=torch.float64)
     theta = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
-    m = ops.threshold_mask(s, theta, tau=0.1)
+    m = ops.threshold_mask(s, theta, tau=0.1, soft=True)
     assert m.tolist() == [0.0, 0.0, 1.0, 1.0]  # eq. 1: strictly greater keeps
     m.sum().backward()
     sig = torch.sigmoid((s - 0.5) / 0.1)
@@ -38,7 +40,7 @@ def test_threshold_mask_is_hard_forward_and_sigmoid_backward():
 
 def test_threshold_mask_forward_is_exactly_zero_or_one_with_grad():
     s = torch.rand(1000, requires_grad=True)
-    m = ops.threshold_mask(s, torch.tensor(0.3, requires_grad=True), tau=0.1)
+    m = ops.threshold_mask(s, torch.tensor(0.3, requires_grad=True), tau=0.1, soft=True)
     assert set(m.detach().unique().tolist()) <= {0.0, 1.0}
 
 
@@ -58,7 +60,7 @@ def test_masked_attention_passes_gradient_to_the_mask():
     keep_soft = torch.full((2, 9), 0.3, dtype=torch.float64, requires_grad=True)
     hard = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1]] * 2, dtype=torch.float64)
     keep = hard + (keep_soft - keep_soft.detach())
-    out, _ = ops.masked_attention(q, k, v, 0.5, keep, None)
+    out, _ = ops.masked_attention(q, k, v, 0.5, keep, None, soft=True)
     out.pow(2).sum().backward()
     assert keep_soft.grad[hard == 0].abs().min() > 0  # removed keys' masks receive gradient too
     assert torch.isfinite(keep_soft.grad).all()
@@ -71,7 +73,8 @@ def test_masked_attention_finite_when_a_masked_key_holds_the_row_max(dtype):
     keep = torch.ones(2, 9, dtype=torch.float64)
     keep[:, 2] = 0  # ... and is masked
     keep_grad = keep.clone().requires_grad_(True)
-    out, _ = ops.masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.5, keep_grad.to(dtype), None)
+    out, _ = ops.masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.5, keep_grad.to(dtype), None,
+                                  soft=True)
     out.float().sum().backward()
     ref, _ = reference_attention(q, k, v, 0.5, keep.bool(), torch.ones(2, 9, dtype=torch.float64))
     assert torch.isfinite(out).all() and torch.isfinite(keep_grad.grad).all()
@@ -90,106 +93,6 @@ def test_mean_column_importance_averages_surviving_rows_only():
     assert torch.allclose(s[:, idx].sum(1), torch.ones(2, dtype=torch.float64))
     cls = ops.importance_scores(probs, keep, "cls")
     assert torch.allclose(cls, probs[:, :, 0].sum(1))  # eq. 16: summed over heads
-
-
-def test_bipartite_split_alternates_over_survivors_and_skips_prefix():
-    keep = torch.tensor([[1, 1, 0, 1, 1, 0, 0, 1, 1]], dtype=torch.float32)
-    a, b = ops.bipartite_sets(keep, num_prefix=2)
-    # survivors 0,1,3,4,7,8 have ranks 0..5; prefix 0 (A) and 1 (B) are excluded
-    assert a.nonzero()[:, 1].tolist() == [3, 7]
-    assert b.nonzero()[:, 1].tolist() == [4, 8]
-
-
-def test_best_match_picks_the_most_similar_b_token_first_on_ties():
-    metric = torch.tensor([[[1.0, 0], [1.0, 0], [0, 1.0], [1.0, 0.1], [2.0, 0]]])
-    is_a = torch.tensor([[False, False, True, False, True]])
-    is_b = torch.tensor([[False, True, False, True, False]])
-    score, dst = ops.best_match(metric, is_a, is_b)
-    assert dst[0, 4] == 1 and score[0, 4] == pytest.approx(1.0)
-    assert score[0, 0] == float("-inf") and score[0, 1] == float("-inf")
-
-
-def test_merge_is_size_weighted_and_sizes_add_up():
-    x = torch.tensor([[[1.0, 0.0], [3.0, 3.0], [5.0, 1.0], [7.0, 7.0]]], dtype=torch.float64)
-    size = torch.tensor([[1.0, 2.0, 3.0, 1.0]], dtype=torch.float64)
-    merge = torch.tensor([[0.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
-    dst = torch.tensor([[0, 0, 0, 3]])
-    src = torch.eye(4, dtype=torch.float64)[None]
-    new_x, new_size, new_src = ops.merge_tokens(x, size, merge, dst, src)
-    assert new_size.tolist() == [[6.0, 2.0, 3.0, 1.0]]
-    expect = (1 * x[0, 0] + 2 * x[0, 1] + 3 * x[0, 2]) / 6
-    assert torch.allclose(new_x[0, 0], expect)
-    assert torch.equal(new_x[0, 3], x[0, 3])  # untouched tokens are bit-identical
-    assert new_src[0, 0].tolist() == [1.0, 1.0, 1.0, 0.0]
-
-
-def test_group_max_raises_destination_to_group_max():
-    s = torch.tensor([[0.1, 0.5, 0.2, 0.9]])
-    merge = torch.tensor([[0.0, 1.0, 0.0, 1.0]])
-    dst = torch.tensor([[0, 0, 2, 2]])
-    assert ops.group_max(s, merge, dst)[0].tolist() == pytest.approx([0.5, 0.5, 0.9, 0.9])
-
-
-def test_topk_mask_selects_k_lowest_candidates_ties_by_position():
-    s = torch.tensor([[0.3, 0.1, 0.1, 0.5, 0.0]])
-    cand = torch.tensor([[False, True, True, True, True]])
-    assert ops.topk_mask(s, cand, torch.tensor([2]), largest=False).tolist() == [[False, True, False, False, True]]
-    assert ops.topk_mask(s, cand, torch.tensor([9]), largest=True).sum() == 4
-
-
-def test_compact_keeps_order_and_zero_pads():
-    keep = torch.tensor([[1, 0, 1, 1], [0, 1, 0, 0]], dtype=torch.float32)
-    x = torch.arange(8, dtype=torch.float32).view(2, 4, 1) + 1
-    new_x, _, none, new_keep, counts = ops.contract(keep > 0.5, x, torch.ones_like(keep), None)
-    assert none is None and counts == [3, 1]
-    assert new_keep.tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert new_x[..., 0].tolist() == [[1, 3, 4], [6, 0, 0]]
-
-
-@pytest.mark.parametrize("prefix", [0, 1, 2, 5])
-def test_contiguous_best_match_equals_the_general_split(prefix):
-    g = torch.Generator().manual_seed(prefix)
-    metric = torch.randn(3, 11, 4, generator=g, dtype=torch.float64)
-    metric[:, 7] = metric[:, 3]  # a tie: the first B token must win in both
-    keep = torch.tensor([[1.0] * 11, [1.0] * 8 + [0.0] * 3, [1.0] * (prefix + 1) + [0.0] * (10 - prefix)],
-                        dtype=torch.float64)
-    is_a, is_b = ops.bipartite_sets(keep, prefix)
-    score, dst = ops.best_match(metric, is_a, is_b)
-    score_c, dst_c, is_a_c = ops.best_match_contiguous(metric, keep, prefix)
-    assert torch.equal(is_a, is_a_c)
-    assert torch.allclose(score[is_a], score_c[is_a], atol=1e-12)
-    assert torch.equal(dst[is_a & torch.isfinite(score)], dst_c[is_a & torch.isfinite(score)])
-    assert torch.isinf(score_c[~is_a]).all()
-
-
-def _bucket_cost(groups, pair, fixed):
-    return sum(len(rows) * pair * n ** 2 + fixed for rows, n in groups)
-
-
-def test_plan_buckets_groups_similar_counts():
-    assert ops.plan_buckets([10] * 8, 1.0, 1.0) is None  # no padding: one group
-    assert ops.plan_buckets([100, 10, 100, 10], 1.0, 100.0) == [([1, 3], 10), ([0, 2], 100)]
-    assert ops.plan_buckets([100, 10, 100, 10], 1.0, 100.0, max_buckets=1) is None
-    assert ops.plan_buckets([100, 10, 100, 10], 1.0, 2e4) is None  # a group costs more than it saves
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_plan_buckets_is_the_cheapest_split(seed):
-    import itertools
-    import random
-
-    rng = random.Random(seed)
-    counts = [rng.randint(5, 200) for _ in range(12)]
-    pair, fixed = 2.0, rng.choice([1e3, 1e4, 1e5])
-    plan = ops.plan_buckets(counts, pair, fixed, max_buckets=4)
-    groups = plan or [(list(range(12)), max(counts))]
-    assert sorted(i for rows, _ in groups for i in rows) == list(range(12))  # every image exactly once
-    assert all(n == max(counts[i] for i in rows) for rows, n in groups)
-    order = sorted(range(12), key=counts.__getitem__)
-    best = min(_bucket_cost([(order[a:b], counts[order[b - 1]]) for a, b in zip((0,) + cuts, cuts + (12,))],
-                            pair, fixed)
-               for g in range(4) for cuts in itertools.combinations(range(1, 12), g))
-    assert _bucket_cost(groups, pair, fixed) == pytest.approx(best)
 
 
 def test_masked_softmax_backward_equals_autograd_of_eq6():
@@ -293,127 +196,6 @@ def test_mean_importance_stays_in_float32_under_autocast():
     assert torch.allclose(s.double(), ref, atol=1e-6, rtol=0), (s.double() - ref).abs().max()
 
 
-def test_similarity_scores_stay_in_float32_under_autocast():
-    # bf16 would round similarities near 1 to steps of 1/256 and tie whole groups of tokens at a merge threshold
-    g = torch.Generator().manual_seed(3)
-    metric = torch.randn(2, 12, 8, generator=g)  # (B, N, D)
-    keep = torch.ones(2, 12)
-    ref, ref_dst, _ = ops.best_match_contiguous(metric.double(), keep.double(), 1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        score, dst, _ = ops.best_match_contiguous(metric, keep, 1)
-        sim = ops.cosine_similarity(metric)
-    assert score.dtype == sim.dtype == torch.float32
-    fin = torch.isfinite(ref)
-    assert torch.equal(fin, torch.isfinite(score)) and torch.equal(dst, ref_dst)
-    err = (score[fin].double() - ref[fin]).abs().max()
-    assert torch.allclose(score[fin].double(), ref[fin], atol=1e-6, rtol=0), err
-
-
-def test_plan_buckets_on_a_large_batch_considers_few_splits():
-    import random
-
-    rng = random.Random(0)
-    counts = [rng.randint(5, 200) for _ in range(512)]
-    plan = ops.plan_buckets(counts, 2.0, 1e4, max_splits=16)
-    assert plan is not None and 2 <= len(plan) <= 4
-    assert sorted(i for rows, _ in plan for i in rows) == list(range(512))
-    assert all(n == max(counts[i] for i in rows) for rows, n in plan)
-
-
-@pytest.mark.parametrize("sized", [False, True])
-def test_single_image_attention_path_equals_the_general_one(sized):
-    q, k, v = qkv(B=1)
-    size = torch.tensor([[1, 2, 1, 3, 1, 1, 1, 2, 1]], dtype=torch.float64)
-    ls = size.log() if sized else None
-    with torch.no_grad():  # one image without gradients: the 3-D path
-        out, probs = ops.masked_attention(q, k, v, 0.5, None, ls)
-    ref_out, ref_probs = ops.masked_attention(q, k, v, 0.5, None, ls)  # grad mode: the general path
-    assert out.shape == ref_out.shape and probs.shape == ref_probs.shape
-    assert torch.allclose(out, ref_out, atol=1e-12, rtol=0) and torch.allclose(probs, ref_probs, atol=1e-12, rtol=0)
-
-
-@pytest.mark.parametrize("batched", [True, False])
-def test_cosine_similarity_of_tome_split_equals_torch_on_the_slices(batched):
-    g = torch.Generator().manual_seed(5)
-    metric = torch.randn(2, 11, 6, generator=g, dtype=torch.float64)  # (B, N, D)
-    m = metric if batched else metric[0]
-    for first_a in (0, 2):
-        a, b = m[..., first_a::2, :], m[..., 1::2, :]  # (..., Na, D), (..., Nb, D)
-        ref = torch.nn.functional.cosine_similarity(a[..., :, None, :], b[..., None, :, :], dim=-1)  # (..., Na, Nb)
-        got = ops.cosine_similarity(m, first_a=first_a)
-        assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-12, rtol=0)
-    full = ops.cosine_similarity(m)  # every row with every row
-    assert torch.allclose(full.diagonal(dim1=-2, dim2=-1), torch.ones(()).double(), atol=1e-12, rtol=0)
-    assert torch.allclose(full[..., 2::2, 1::2], ops.cosine_similarity(m, first_a=2), atol=1e-12, rtol=0)
-
-
-def test_contract_merges_into_survivors_and_compacts_in_order():
-    """Eval's one scatter: survivors keep their order at the front, a token merged into a survivor joins it as a
-    size-weighted average (sizes add up), one merged into a removed token is dropped with it, padding is zero."""
-    x = torch.arange(12, dtype=torch.float64).view(2, 6, 1)  # token values 0..5 and 6..11
-    size = torch.tensor([[1.0, 2, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.float64)
-    alive = torch.tensor([[1, 1, 0, 1, 0, 1], [1, 0, 0, 1, 0, 0]], dtype=torch.bool)
-    merge = torch.tensor([[0, 0, 1, 0, 1, 0], [0, 1, 0, 0, 0, 0]], dtype=torch.bool)
-    dst = torch.tensor([[0, 0, 1, 0, 3, 0], [0, 2, 0, 0, 0, 0]])  # image 1 merges token 1 into removed token 2
-    out, new_size, _, keep, counts = ops.contract(alive, x, size, None, merge, dst)
-    assert counts == [4, 2]
-    assert torch.equal(keep, torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float64))
-    assert torch.equal(new_size, torch.tensor([[1.0, 3, 2, 1], [1, 1, 0, 0]], dtype=torch.float64))
-    expected = torch.tensor([[0.0, (2 * 1 + 2) / 3, (3 + 4) / 2, 5], [6, 9, 0, 0]], dtype=torch.float64)
-    assert torch.allclose(out[..., 0], expected, atol=1e-12, rtol=0), out[..., 0]
-    # counts known on the host (fixed rates): nothing read back, the same result
-    from ltmp.runtime import HostSyncs
-    with HostSyncs() as syncs:
-        again = ops.contract(alive, x, size, None, merge, dst, counts=[4, 2])
-    assert syncs.count == 0 and torch.equal(again[0], out)
-
-
-@pytest.mark.parametrize("merged", [False, True], ids=["pruned", "merged"])
-@pytest.mark.parametrize("padded_out", [True, False], ids=["padding-out", "no-padding-out"])
-def test_contract_of_packed_rows_equals_the_padded_batch(merged, padded_out):
-    """The packed stream: x given as the rows (T, C) of the real tokens of a padded batch comes out as the rows of
-    the new real tokens, image by image, with the same bits as the padded batch's compaction; as (B, N', C) when
-    no image is padded after the step."""
-    torch.manual_seed(0)
-    B, N, C = 3, 7, 5
-    counts_in = [7, 5, 6]  # real tokens entering; padding at the end of images 1 and 2
-    real_in = torch.arange(N) < torch.tensor(counts_in).view(B, 1)  # (B, N)
-    x = torch.randn(B, N, C, dtype=torch.float64) * real_in[..., None]
-    size = torch.randint(1, 4, (B, N)).double() * real_in
-    alive = real_in & (torch.rand(B, N) > 0.4)
-    alive[:, 0] = True
-    if not padded_out:  # every image keeps its first four real tokens
-        alive = real_in & (torch.arange(N) < 4)
-    merge = dst = None
-    if merged:  # each removed real token merges into a random earlier survivor (position 0 always survives)
-        merge = real_in & ~alive
-        dst = torch.stack([torch.tensor([int(torch.randint(0, max(1, j), ())) if merge[b, j] else 0
-                                         for j in range(N)]) for b in range(B)])
-        dst = torch.where(alive.gather(1, dst), dst, torch.zeros_like(dst))
-    ref, ref_size, _, ref_keep, counts = ops.contract(alive, x, size, None, merge, dst)
-    flat = real_in.view(-1).nonzero().squeeze(1)  # (T,) the packed rows' flat positions
-    rows, new_size, _, keep, again = ops.contract(alive, x.view(-1, C)[flat], size, None, merge, dst, real=flat)
-    assert again == counts and torch.equal(new_size, ref_size) and torch.equal(keep, ref_keep)
-    if padded_out:
-        assert rows.shape == (sum(counts), C)
-        assert torch.equal(rows, ref.view(-1, C)[ref_keep.view(-1) > 0])  # the same bits, image by image
-    else:
-        assert torch.equal(rows, ref)  # (B, N', C): nothing to skip
-
-
-@pytest.mark.parametrize("merged", [False, True], ids=["pruned", "merged"])
-def test_contract_of_packed_rows_when_every_token_goes(merged):
-    """No prefix and every token removed: packed rows come out as an empty (B, 0, C) batch, as padded ones do."""
-    x = torch.randn(2, 3, 4, dtype=torch.float64)
-    alive = torch.zeros(2, 3, dtype=torch.bool)
-    flat = torch.tensor([0, 1, 2, 3, 4])  # image 1's last token is padding
-    merge, dst = (~alive, torch.zeros(2, 3, dtype=torch.long)) if merged else (None, None)
-    ref = ops.contract(alive, x, torch.ones(2, 3, dtype=torch.float64), None, merge, dst)
-    out = ops.contract(alive, x.view(-1, 4)[flat], torch.ones(2, 3, dtype=torch.float64), None, merge, dst,
-                       real=flat)
-    assert ref[0].shape == out[0].shape == (2, 0, 4) and out[4] == ref[4] == [0, 0]
-
-
 @pytest.mark.parametrize("kind", ["mean", "cls"])
 @pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
 def test_importance_from_log_sum_exp_equals_the_explicit_probabilities(kind, masked):
@@ -438,66 +220,154 @@ def test_importance_from_log_sum_exp_equals_the_explicit_probabilities(kind, mas
     assert torch.allclose(fused_out.transpose(1, 2)[real], out.transpose(1, 2)[real], atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("heads", [4, 6])
-def test_head_sum_gives_the_similarities_of_the_mean_over_heads(heads):
-    # as timm's attention makes the keys: a strided slice of the permuted qkv projection
-    g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.float64):
-        qkv_proj = torch.randn(3, 11, 3, heads, 8, generator=g, dtype=dtype).permute(2, 0, 3, 1, 4)  # (3, B, H, N, D)
-        k = qkv_proj.unbind(0)[1]  # (B, H, N, D)
-        got, ref = ops.cosine_similarity(ops.head_sum(k), 2), ops.cosine_similarity(k.mean(1), 2)  # (B, Na, Nb)
-        if heads == 4:  # a power of 2: the same bits
-            assert torch.equal(got, ref)
-        else:
-            assert torch.allclose(got, ref, atol=1e-12 if dtype == torch.float64 else 1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("contiguous", [False, True])
-@pytest.mark.parametrize("grad", [False, True])
-def test_qkv_heads_split_as_timm_does(contiguous, grad):
-    # channels of a wider projection (not contiguous): the strides must come from the tensor, not its shape
-    wide = torch.randn(3, 5, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(0))[1:]  # offset
-    proj = wide[..., :36].requires_grad_(grad) if grad else wide[..., :36]  # (B, N, 3 * H * D), H 3, D 4
-    ref = proj.reshape(2, 5, 3, 3, 4).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, N, D) each
-    got = ops.qkv_heads(proj, 3, contiguous=contiguous)
-    assert len(got) == 3
-    for r, t in zip(ref, got):
-        assert t.shape == r.shape and torch.equal(t, r)
-        assert t.is_contiguous() if contiguous else t.untyped_storage().data_ptr() == wide.untyped_storage().data_ptr()
-    if grad:  # the gradient reaches the projection
-        sum(t.sum() * (i + 1) for i, t in enumerate(got)).backward()
-        assert torch.equal(proj.grad, torch.arange(1., 4.).repeat_interleave(12).expand(2, 5, 36).double())
+@pytest.mark.parametrize("sized", [False, True])
+def test_masked_attention_hard_and_soft_masks_agree(sized):
+    """Eval's -inf bias in one (B * H) batch of matmuls and train's multiplicative mask give the same attention."""
+    q, k, v = qkv()
+    keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1], [1, 0, 1, 1, 1, 1, 0, 1, 0]], dtype=torch.float64)
+    ls = torch.tensor([[1, 2, 1, 3, 1, 1, 1, 2, 1]] * 2, dtype=torch.float64).log() if sized else None
+    hard = ops.masked_attention(q, k, v, 0.5, keep, ls)
+    soft = ops.masked_attention(q, k, v, 0.5, keep.requires_grad_(), ls, soft=True)
+    for a, b in zip(hard, soft):
+        assert torch.allclose(a, b.detach(), atol=1e-12, rtol=0), (a - b).abs().max()
 
 
-def test_heads_merged_are_the_token_rows_of_the_heads():
-    g = torch.Generator().manual_seed(0)
-    fused = torch.randn(2, 5, 3, 4, generator=g).transpose(1, 2)  # (B, H, N, D) laid out (B, N, H, D), as SDPA's
-    explicit = torch.randn(2, 3, 5, 4, generator=g)  # (B, H, N, D) contiguous, as a bmm's
-    for o in (fused, explicit, fused[:, :, 1:], torch.randn(3, 5, 3, 4, generator=g).transpose(1, 2)[1:]):
-        got = ops.heads_merged(o)
-        assert got.shape == (2, o.shape[2], 12) and torch.equal(got, o.transpose(1, 2).reshape(2, -1, 12))
-    assert ops.heads_merged(fused).data_ptr() == fused.data_ptr()  # a view
+def _cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a[:, :, None], b[:, None, :], dim=-1)  # (B, Na, Nb)
 
 
-def test_kept_constants_are_real_tensors_made_outside_tensor_modes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
+@pytest.mark.parametrize("n", [1, 2, 9, 10])
+def test_match_pairs_even_positions_with_their_most_similar_odd_position(n):
+    """ToMe's bipartite matching: set A the even positions, set B the odd ones; the score is the best cosine
+    similarity with a B token that may receive, -inf for an A token that may not merge or has no B token."""
+    g = torch.Generator().manual_seed(n)
+    metric = torch.randn(3, n, 5, generator=g, dtype=torch.float64)
+    mergeable = torch.rand(3, n, generator=g) > 0.3
+    mergeable[:, 0] = False  # a class token
+    score, j = ops.match(metric, ops.blocked_pairs(mergeable))
+    sim = _cosine(metric[:, 0::2], metric[:, 1::2]).masked_fill(~mergeable[:, None, 1::2], float("-inf"))
+    assert score.shape == j.shape == (3, (n + 1) // 2)
+    for b in range(3):
+        for i in range(score.shape[1]):
+            if not mergeable[b, 2 * i] or sim.shape[2] == 0 or not mergeable[b, 1::2].any():
+                assert score[b, i] == float("-inf")
+            else:
+                assert score[b, i] == pytest.approx(float(sim[b, i].max()), abs=1e-12)
+                assert sim[b, i, j[b, i]] == sim[b, i].max()
 
-    ops._CONSTANTS.clear()
-    with FakeTensorMode():  # e.g. shape propagation: a fake tensor must not be kept for later real forwards
-        ops.positions(5, torch.device("cpu"))
-    got = ops.positions(5, torch.device("cpu"))
-    assert type(got) is torch.Tensor and torch.equal(got, torch.arange(5))
+
+def test_match_breaks_ties_to_the_first_b_token_and_pads_for_symbolic_sizes():
+    metric = torch.tensor([[[1.0, 0], [1.0, 0], [0, 1.0], [2.0, 0], [3.0, 0]]])  # B tokens 1 and 3 tie for 0, 4
+    score, j = ops.match(metric, ops.blocked_pairs(torch.ones(1, 5, dtype=torch.bool)))
+    assert j.tolist() == [[0, 0, 0]] and score[0, [0, 2]].tolist() == [1.0, 1.0]
+    padded, jp = ops.match(metric, ops.blocked_pairs(torch.ones(1, 5, dtype=torch.bool)), pad=True)
+    assert torch.equal(padded, score) and torch.equal(jp, j)  # the padding column is never the best
 
 
-def test_kept_constants_drop_the_least_recently_used(monkeypatch):
-    monkeypatch.setattr(ops, "MAX_CONSTANTS", 3)
-    ops._CONSTANTS.clear()
+def test_similarity_scores_stay_in_float32_under_autocast():
+    # bf16 would round similarities near 1 to steps of 1/256 and tie whole groups of tokens at a merge threshold
+    g = torch.Generator().manual_seed(3)
+    metric = torch.randn(2, 12, 8, generator=g)  # (B, N, D)
+    mergeable = ops.blocked_pairs(torch.ones(2, 12, dtype=torch.bool))
+    ref, ref_j = ops.match(metric.double(), mergeable)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        score, j = ops.match(metric.bfloat16(), mergeable)
+    assert score.dtype == torch.float32 and torch.equal(j, ref_j)
+    assert torch.allclose(score.double(), ref, atol=1e-2, rtol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        score, _ = ops.match(metric, mergeable)  # float32 keys: the similarities are not rounded to bf16
+    assert torch.allclose(score.double(), ref, atol=1e-6, rtol=0), (score.double() - ref).abs().max()
+
+
+def test_kbest_selects_k_per_row_ties_to_the_earlier_position():
+    s = torch.tensor([[9.0, 0.1, 0.1, 0.5, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])  # 9.0: not a candidate (lowest)
+    assert ops.kbest(s, 2, largest=False).tolist() == [[False, True, False, False, True],
+                                                       [True, True, False, False, False]]
+    assert ops.kbest(s, 2, largest=True).tolist() == [[True, False, False, True, False],
+                                                      [True, True, False, False, False]]
+    assert ops.kbest(s, torch.tensor([[1], [3]]), largest=True).sum(1).tolist() == [1, 3]
+    assert ops.kbest(s, 9, largest=True).sum(1).tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kbest_equals_a_stable_sort(seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(0, 4, (6, 20), generator=g).double()  # many ties
+    for largest in (False, True):
+        order = s.sort(dim=1, descending=largest, stable=True).indices[:, :5]
+        ref = torch.zeros(6, 20, dtype=torch.bool).scatter_(1, order, True)
+        assert torch.equal(ops.kbest(s, 5, largest), ref)
+
+
+def test_group_max_raises_targets_to_their_group_max():
+    s = torch.tensor([[0.1, 0.5, 0.2, 0.9]])
+    src, dst = torch.tensor([[1, 3]]), torch.tensor([[0, 2]])
+    assert ops.group_max(s, src, dst, torch.tensor([[True, True]]))[0].tolist() == pytest.approx([0.5, 0.5, 0.9, 0.9])
+    assert ops.group_max(s, src, dst, torch.tensor([[True, False]]))[0].tolist() == pytest.approx([0.5, 0.5, 0.2, 0.9])
+
+
+def test_merge_rows_averages_by_size_and_sizes_add_up():
+    x = torch.tensor([[1.0, 0.0], [3.0, 3.0], [5.0, 1.0], [7.0, 7.0]], dtype=torch.float64)
+    size = torch.tensor([1.0, 2.0, 3.0, 1.0], dtype=torch.float64)
+    src = torch.eye(4, dtype=torch.float64)
+    new_x, new_size, new_src = ops.merge_rows(x, size, torch.tensor([0, 0, 2, 1]), 4, src)
+    assert new_size.tolist() == [3.0, 1.0, 3.0, 0.0]
+    assert torch.allclose(new_x[0], (1 * x[0] + 2 * x[1]) / 3) and torch.equal(new_x[1], x[3])
+    assert torch.isnan(new_x[3]).all()  # received nothing: 0 / 0, for the caller to cut
+    assert new_src[0].tolist() == [1.0, 1.0, 0.0, 0.0]
+    copied, ones, _ = ops.merge_rows(x, torch.ones(4, dtype=torch.float64), torch.tensor([2, 0, 1, 4]), 5,
+                                     average=False)
+    assert torch.equal(copied[:3], x[[1, 2, 0]]) and ones.tolist() == [1, 1, 1, 0, 1]
+
+
+def _bucket_cost(groups, pair, fixed):
+    return sum(len(rows) * pair * n ** 2 + fixed for rows, n in groups)
+
+
+def test_plan_buckets_groups_similar_counts():
+    from ltmp.engine import plan_buckets
+
+    assert plan_buckets([10] * 8, 1.0, 1.0, 4) is None  # no padding: one group
+    assert plan_buckets([100, 10, 100, 10], 1.0, 100.0, 4) == [([1, 3], 10), ([0, 2], 100)]
+    assert plan_buckets([100, 10, 100, 10], 1.0, 100.0, 1) is None
+    assert plan_buckets([100, 10, 100, 10], 1.0, 2e4, 4) is None  # a group costs more than it saves
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_buckets_is_the_cheapest_split(seed):
+    import itertools
+    import random
+
+    from ltmp.engine import plan_buckets
+
+    rng = random.Random(seed)
+    counts = [rng.randint(5, 200) for _ in range(12)]
+    pair, fixed = 2.0, rng.choice([1e3, 1e4, 1e5])
+    groups = plan_buckets(counts, pair, fixed, 4) or [(list(range(12)), max(counts))]
+    assert sorted(i for rows, _ in groups for i in rows) == list(range(12))  # every image exactly once
+    assert all(n == max(counts[i] for i in rows) for rows, n in groups)
+    order = sorted(range(12), key=counts.__getitem__)
+    best = min(_bucket_cost([(order[a:b], counts[order[b - 1]]) for a, b in zip((0,) + cuts, cuts + (12,))],
+                            pair, fixed)
+               for g in range(4) for cuts in itertools.combinations(range(1, 12), g))
+    assert _bucket_cost(groups, pair, fixed) == pytest.approx(best)
+
+
+def test_kept_constants_are_made_outside_inference_mode_and_bounded(monkeypatch):
+    from ltmp import step
+
+    plan = step.Plan(train=False, grad=False, symbolic=False, compiling=False, static=False, amp=False,
+                     attention="explicit", group_macs=None, max_buckets=1, cache=True)
+    monkeypatch.setattr(step, "MAX_CONSTANTS", 3)
+    step._CONSTANTS.clear()
     cpu = torch.device("cpu")
-    first = ops.positions(1, cpu)
-    ops.positions(2, cpu)
-    ops.positions(3, cpu)
-    assert ops.positions(1, cpu) is first  # used again: now the most recent
-    ops.positions(4, cpu)  # drops 2, the least recently used
-    assert len(ops._CONSTANTS) == 3 and ops.positions(1, cpu) is first
-    assert ("arange", 2, cpu, torch.long) not in ops._CONSTANTS
-    ops._CONSTANTS.clear()
+    with torch.inference_mode():
+        first = step.positions(plan, 1, cpu)
+    assert not first.is_inference() and torch.equal(first, torch.arange(1))
+    assert step.positions(plan, 1, cpu) is first  # kept
+    for n in (2, 3, 4):
+        step.positions(plan, n, cpu)
+    assert len(step._CONSTANTS) <= 3  # bounded
+    assert step.positions(dataclasses.replace(plan, cache=False), 4, cpu) is not step.positions(plan, 4, cpu)

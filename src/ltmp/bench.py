@@ -11,8 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .flops import dense_gmacs, gmacs, gmacs_executed
-from .patching import vit_spec
+from .flops import dense_gmacs, gmacs, gmacs_executed, vit_spec
 from .record import stats
 from .runtime import compile_model
 

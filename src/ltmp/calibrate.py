@@ -37,7 +37,7 @@ def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: t
     - ``"quantile"`` (not in the paper): a fraction f is bisected; every block's merge threshold becomes the
       quantile of its similarity scores that merges f of its set-A tokens, and its prune threshold the quantile
       of its importance scores that prunes ``prune_share * f`` of its remaining tokens (f for pruning-only
-      methods), all over the whole of ``images`` in one batch (:func:`ltmp.reduce.fit_threshold`).
+      methods), all over the whole of ``images`` in one batch (:func:`ltmp.step.fit_threshold`).
 
     Returns:
         The r_FLOPs reached.

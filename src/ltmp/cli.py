@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ._version import __version__
 from .errors import LtmpError
-from .reduce import FIXED_RATE, LEARNED
+from .step import FIXED_RATE, LEARNED
 
 
 class CLIError(LtmpError):
@@ -46,8 +46,7 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_flops(args) -> int:
-    from .flops import dense_gmacs
-    from .patching import vit_spec
+    from .flops import dense_gmacs, vit_spec
     from .runtime import create_model
 
     model = create_model(args.model)
@@ -170,8 +169,8 @@ def _reduced_model(args, model, gmacs: float | None = None, dense_ok: bool = Fal
     """``model`` with the reduction that --thresholds or --method/--r/--k name; with ``gmacs``, a fixed-rate
     method gets the per-layer schedule closest to those GMACs instead of --r/--k (spread like ``shape``, see
     ``rate_schedule``). ``dense_ok``: no reduction named (or ``--method dense``) returns ``model`` as it is."""
-    from .flops import rate_schedule
-    from .patching import patch, vit_spec
+    from .flops import rate_schedule, vit_spec
+    from .patching import patch
     from .thresholds import load_thresholds
 
     if args.thresholds:

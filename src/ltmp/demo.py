@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader
 from . import data as ldata
 from .bench import time_forward
 from .evaluate import evaluate
-from .flops import rate_schedule
-from .patching import patch, vit_spec
+from .flops import rate_schedule, vit_spec
+from .patching import patch
 from .runtime import create_model, pick_device
 from .significance import mcnemar
 from .thresholds import atomic_write

@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from .errors import LtmpError
-from .flops import dense_gmacs, gmacs, gmacs_executed
-from .patching import vit_spec
+from .flops import dense_gmacs, gmacs, gmacs_executed, vit_spec
 from .record import r_flops, stats
 from .runtime import amp_context, require_classifier
 from .runtime import logits as logits_of

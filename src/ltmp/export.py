@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .engine import exporting
 from .errors import LtmpError
-from .reduce import exporting
 
 FORMATS = ("export", "onnx", "torchscript")
 

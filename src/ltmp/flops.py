@@ -18,15 +18,16 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .adapters import adapter_for
 from .errors import LtmpError
-from .reduce import METHODS
+from .step import METHODS
 
 
 @dataclasses.dataclass
 class ViTSpec:
-    """What a ViT costs, per token and per attention pair (built by ``ltmp.patching.vit_spec``)."""
+    """What a ViT costs, per token and per attention pair (built by :func:`vit_spec`)."""
 
     num_patches: int  # n: patch tokens entering the first block
     num_prefix: int  # class/distillation/register tokens, never reduced
@@ -42,6 +43,34 @@ class ViTSpec:
     @property
     def depth(self) -> int:
         return len(self.macs_attn_token)
+
+
+
+def vit_spec(model: nn.Module, count_norm: bool = True) -> ViTSpec:
+    """Per-token and per-pair multiply-accumulate counts of a supported ViT, in fvcore's convention.
+
+    Linear layers count in*out MACs per token, the patch-embedding convolution its kernel MACs per patch, the two
+    attention matmuls ``H * D`` MACs per (query, key) pair each, and LayerNorm 5 (4 without affine) per element,
+    as fvcore does. Element-wise ops, softmax and GELU count nothing.
+
+    Args:
+        model: A supported ViT (patched or not).
+        count_norm: Count LayerNorms (fvcore does; ``torch.utils.flop_counter`` does not).
+    """
+    adapter = adapter_for(model)
+    attn_token, mlp_token, pair = [], [], []
+    for blk in adapter.blocks(model):
+        a, m = adapter.token_macs(model, blk, count_norm)
+        view = adapter.view(model, blk)
+        attn_token.append(a)
+        mlp_token.append(m)
+        pair.append(2.0 * view.heads * view.head_dim)
+    (gh, gw), _, _ = adapter.patch_grid(model)
+    final, head = adapter.final_macs(model, count_norm)
+    return ViTSpec(num_patches=gh * gw, num_prefix=adapter.num_prefix(model), embed_dim=adapter.embed_dim(model),
+                   mlp_hidden=adapter.mlp_hidden(model), macs_embed=adapter.embed_macs(model, count_norm),
+                   macs_attn_token=attn_token, macs_attn_pair=pair, macs_mlp_token=mlp_token,
+                   macs_final_token=final, macs_head=head)
 
 
 def macs_from_counts(spec: ViTSpec, tokens: Tensor) -> Tensor:

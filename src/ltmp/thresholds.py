@@ -17,7 +17,7 @@ from torch import nn
 from .adapters import adapter_for
 from .errors import LtmpError
 from .patching import THRESHOLD_NAMES, blocks, patch
-from .reduce import LEARNED
+from .step import LEARNED
 
 FORMAT = "ltmp-thresholds"
 VERSION = "1"

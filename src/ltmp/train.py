@@ -26,12 +26,12 @@ from .analysis import ALLOCATION_IMAGES, allocation
 from .calibrate import calibrate, calibration_batch, settle, shift_to_budget
 from .errors import LtmpError
 from .evaluate import evaluate
-from .flops import budget_loss_value
-from .patching import THRESHOLD_NAMES, blocks, patch, score_ranges, vit_spec
+from .flops import budget_loss_value, vit_spec
+from .patching import THRESHOLD_NAMES, blocks, patch, score_ranges
 from .record import mean_r_flops, r_flops, stats
-from .reduce import LEARNED
 from .runtime import amp_context, amp_dtype, compile_model, create_model, pick_device, require_classifier
 from .runtime import logits as logits_of
+from .step import LEARNED
 from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
 
 

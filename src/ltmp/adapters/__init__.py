@@ -1,6 +1,6 @@
 """Model families: where a vision transformer's blocks, attention, norms and prefix tokens are.
 
-The reduction (:mod:`ltmp.patching`, :mod:`ltmp.reduce`, :mod:`ltmp.ops`) never learns a family's name. It asks
+The reduction (:mod:`ltmp.engine`, :mod:`ltmp.step`, :mod:`ltmp.ops`) never learns a family's name. It asks
 the model's :class:`Adapter` for a :class:`BlockView` of each block (pre-norm: ``x + attn(norm1(x))``, then the
 reduction step of the paper's Figure 2, then ``x + mlp(norm2(x))``), and lets the adapter embed the images and
 apply the family's head. One small file per family: :mod:`.timm`, :mod:`.hf` (Hugging Face transformers),
@@ -71,7 +71,7 @@ class Adapter:
     """One model family. Subclasses answer where things are; the reduction code does the rest.
 
     ``forward`` replaces the model's own forward when patched: it embeds the inputs, runs
-    :func:`ltmp.patching.encode` (the blocks with the reduction step) and applies the family's head, returning what
+    :func:`ltmp.engine.encode` (the blocks with the reduction step) and applies the family's head, returning what
     the unpatched model returns.
     """
 

@@ -155,7 +155,7 @@ class HFAdapter(Adapter):
                  **kwargs):
         from transformers.modeling_outputs import ImageClassifierOutput
 
-        from ..patching import encode, mean_pool
+        from ..engine import encode, mean_pool
 
         for flag in ("output_attentions", "output_hidden_states"):
             if kwargs.pop(flag, None) or getattr(model.config, flag, False):
@@ -202,7 +202,7 @@ def _backbone_output(bb: nn.Module, x: Tensor, state):
     """The backbone's own output object from the tokens leaving the last block."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    from ..patching import pool_bias
+    from ..engine import pool_bias
 
     name = _name(bb)
     if name == "CLIPVisionModel":  # the final norm on the class token only

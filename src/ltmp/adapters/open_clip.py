@@ -137,7 +137,7 @@ class OpenClipAdapter(Adapter):
         return (0.0, post + proj) if tower.final_ln_after_pool else (post, proj)
 
     def forward(self, model: nn.Module, x: Tensor):
-        from ..patching import encode, mean_pool
+        from ..engine import encode, mean_pool
 
         tower = _tower(model)
         x, state = encode(model, tower._embeds(x))  # (B, N, C)

@@ -10,10 +10,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from ..errors import LtmpError, UnsupportedModelError
-from ..ops import writable
 from . import Adapter, BlockView, conv_macs, identity, linear_macs, norm_macs
 
 SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
@@ -70,8 +68,7 @@ class TimmAdapter(Adapter):
         proj_drop = attn.proj_drop if attn.proj_drop.training else identity
         if type(mlp).forward is _mlp_forward() and not (mlp.drop1.training or mlp.drop2.training
                                                          or _has_forward_hooks(mlp)):
-            act = _act(blk.mlp.act, blk.mlp.fc1)
-            mlp = lambda t: blk.mlp.fc2(blk.mlp.norm(act(blk.mlp.fc1(t))))  # noqa: E731 timm's Mlp
+            mlp = lambda t: blk.mlp.fc2(blk.mlp.norm(blk.mlp.act(blk.mlp.fc1(t))))  # noqa: E731 timm's Mlp
         return BlockView(
             norm1=blk.norm1, qkv=attn.qkv, heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
             attn_drop=attn.attn_drop.p, training=attn.training,
@@ -125,7 +122,7 @@ class TimmAdapter(Adapter):
 
     def head(self, model: nn.Module, x: Tensor, state) -> Tensor:
         """timm's ``forward_head`` over the surviving tokens (class and distillation tokens never move)."""
-        from ..patching import mean_pool, pool_bias
+        from ..engine import mean_pool, pool_bias
 
         pool = getattr(model, "attn_pool", None)
         if pool is not None:
@@ -153,22 +150,6 @@ def _mlp_forward():
     return Mlp.forward
 
 
-def _act(act: nn.Module, fc1: nn.Module):
-    """The MLP's activation; ``nn.GELU`` in place on fc1's output when that output is fc1's own (a linear layer,
-    not a replacement that may return its input) and nothing else sees it (no gradients, not tracing:
-    ``ops.writable``; no hooks on fc1 or the activation). That saves a (T, 4C) buffer per
-    block, which glibc malloc would map fresh: 0.98 of LTMP's time on DeiT-S at batch 32 (benchmarks/ab.py), same
-    values."""
-    if type(act) is not nn.GELU or type(fc1) is not nn.Linear or _has_forward_hooks(act) or _has_forward_hooks(fc1):
-        return act
-    approximate = act.approximate
-
-    def gelu(h: Tensor) -> Tensor:  # (..., 4C)
-        return F.gelu(h, approximate=approximate, out=h) if writable(h) else F.gelu(h, approximate=approximate)
-
-    return gelu
-
-
 def _has_forward_hooks(module: nn.Module) -> bool:
     """Forward hooks on the module or on every module (calling its parts instead would skip them)."""
     from torch.nn.modules import module as m
@@ -183,7 +164,7 @@ def _embed(model: nn.Module, x: Tensor) -> Tensor:
 
 
 def _features(model: nn.Module, x: Tensor):
-    from ..patching import encode
+    from ..engine import encode
 
     x, state = encode(model, _embed(model, x))  # (B, N', C)
     return model.norm(x), state

@@ -1,0 +1,459 @@
+"""One block's reduction step (paper section 3, Figure 2): decide, then apply.
+
+Between a block's attention and its MLP, :func:`reduce_step` runs the method's operations in order. Each operation
+first *decides*, the same way for every mode: :func:`decide_merge` (ToMe's bipartite matching of the survivors in
+order, then eq. 1's threshold or a fixed rate's k best) and :func:`decide_prune` (eq. 1 on the importance scores of
+eq. 16/17, or the k least important). Learned thresholds and fixed rates differ only in how they select. Then the
+step *applies* the decisions:
+
+- in train mode as straight-through masks (eq. 3): every token stays in the (B, N, C) tensor, merges are
+  size-weighted averages whose weights carry the merge mask, and the keep mask carries the gradient to the
+  thresholds (:func:`_apply_masks`);
+- in eval mode by removing the tokens: merging and compaction are one size-weighted sum of the token rows into
+  their new rows (:func:`_apply_rows`). Rows are packed image by image (:class:`Layout`), so one image is the batch
+  of one, and fixed rates need no host read (their counts follow from the shapes).
+
+Train and eval make the same decisions on the same scores; the tests hold them to the same tokens and outputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+#: The order of reduction operations of each method, and whether they use learned thresholds or a fixed rate.
+METHODS: dict[str, tuple[tuple[str, ...], str]] = {
+    "ltmp": (("merge", "prune"), "threshold"),  # learned thresholds, merge then prune (the paper's default)
+    "ltpm": (("prune", "merge"), "threshold"),  # learned thresholds, prune then merge (Table 4)
+    "ltm": (("merge",), "threshold"),  # learned thresholds, merging only (Table 5)
+    "ltp": (("prune",), "threshold"),  # learned thresholds, pruning only (Table 5)
+    "tome": (("merge",), "topk"),  # ToMe: r tokens merged per layer
+    "topk-prune": (("prune",), "topk"),  # k least important tokens pruned per layer
+    "topk-mp": (("merge", "prune"), "topk"),  # k merged and k pruned per layer
+}
+#: Methods with learned thresholds (``ltmp train`` trains them; their thresholds files load them).
+LEARNED = tuple(m for m, (_, kind) in METHODS.items() if kind == "threshold")
+#: Fixed-rate methods (ToMe's ``r``, the top-k baselines' ``k``).
+FIXED_RATE = tuple(m for m, (_, kind) in METHODS.items() if kind == "topk")
+#: How merge thresholds learn in train mode (``ReduceConfig.merge_grad``).
+MERGE_GRADS = ("average", "mask")
+
+
+@dataclasses.dataclass
+class Execution:
+    """Speed choices that do not change results; None takes the device's value from ``ltmp.engine.TUNING``."""
+
+    max_buckets: int | None = None  # attention of a padded eval batch in at most this many groups (1: never)
+    group_macs: float | None = None  # the cost of one more attention group, in multiply-accumulates
+    importance_from_lse: bool | None = None  # importance from a fused kernel's log-sum-exp (ops.importance_from_lse)
+
+
+@dataclasses.dataclass
+class ReduceConfig:
+    """What the reduction step does; shared by all blocks of a patched model."""
+
+    method: str = "ltmp"  # a key of METHODS
+    tau: float = 0.1  # temperature of the sigmoid surrogate, eq. 2
+    importance: str = "mean"  # "mean": mean column attention (eq. 17); "cls": class attention (eq. 16)
+    num_prefix: int = 1  # prefix tokens (class, distillation, registers) at the front; never reduced
+    keep_one: bool = False  # pruning always leaves one patch token (models that pool patch tokens)
+    rate: tuple[int, ...] | None = None  # fixed-rate methods: tokens per layer (r for ToMe, k for top-k)
+    mask_grad: str = "secant"  # train mode: bounded form of eq. 6's gradient to removed keys' masks (ops.MASK_GRADS)
+    merge_grad: str = "average"  # train mode: merge thresholds learn through the masks of eq. 5-7 and the merged
+    #                              averages ("average"), or through the masks only ("mask", the reference code)
+    trace_source: bool = False  # carry a map of which patches each token covers (for viz)
+    capture: list | None = None  # analysis: each decision appends its scores and candidates (a Captured)
+    fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
+    #                                         prunes these fractions of the block's candidates (fit_threshold)
+    execution: Execution = dataclasses.field(default_factory=Execution)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return METHODS[self.method][0]
+
+    @property
+    def learned(self) -> bool:
+        return METHODS[self.method][1] == "threshold"
+
+    @property
+    def needs_importance(self) -> bool:
+        return "prune" in self.ops
+
+    @property
+    def needs_metric(self) -> bool:
+        return "merge" in self.ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one forward runs, read once from the mode (``ltmp.engine.plan``); nothing below asks torch again."""
+
+    train: bool  # straight-through masks, every token stays (eq. 3); else tokens are removed
+    grad: bool  # autograd records the forward
+    symbolic: bool  # torch.export: token counts are symbolic, so no Python branch may read them
+    compiling: bool  # torch.compile traces the forward
+    static: bool  # fixed rates in eval: every count follows from the shapes (no host read)
+    amp: bool  # autocast is on
+    attention: str  # "explicit" (probabilities), "sdpa" (fused, no importance) or "lse" (fused + log-sum-exp)
+    group_macs: float | None  # attention of padded batches in groups, each costing this much more; None: never
+    max_buckets: int
+    cache: bool  # small constants may be kept between forwards (not while tracing, under a tensor mode, ...)
+
+
+_CONSTANTS: dict[tuple, Tensor] = {}
+MAX_CONSTANTS = 512  # a server that sees many shapes keeps at most this many (then starts afresh)
+_LOCK = threading.Lock()
+
+
+def constant(plan: Plan, key: tuple, make) -> Tensor:
+    """A small tensor ``make()`` that is never written to, kept between forwards where the plan allows. Made
+    outside inference mode, so that a train step may save it for its backward."""
+    t = _CONSTANTS.get(key) if plan.cache else None
+    if t is None:
+        with torch.inference_mode(False):
+            t = make()
+        if plan.cache:
+            with _LOCK:
+                if len(_CONSTANTS) >= MAX_CONSTANTS:
+                    _CONSTANTS.clear()
+                _CONSTANTS[key] = t
+    return t
+
+
+def positions(plan: Plan, n: int, device: torch.device) -> Tensor:
+    """``torch.arange(n)`` (n,) (an arange is 4 operator calls)."""
+    return constant(plan, ("arange", n, device), lambda: torch.arange(n, device=device))
+
+
+class Layout:
+    """Where each image's tokens are among the rows (T, ...) of the eval token tensors: image by image, in order,
+    every row a real token. ``counts`` are each image's tokens on the host; None when every image has ``length``
+    (the rows are then the (B, N) batch flattened, with no padding anywhere)."""
+
+    def __init__(self, batch: int, length: int, counts: list[int] | None = None, real: Tensor | None = None):
+        self.batch, self.length, self.counts = batch, length, counts
+        self.real = real  # (B, N) bool, a real token at each position (None: dense)
+        self._index = None
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.length if self.counts is None else sum(self.counts)
+
+    def index(self) -> Tensor | None:
+        """The flat position (b * N + j) of each row (T,); None when dense."""
+        if self._index is None and self.counts is not None:
+            self._index = torch.nonzero_static(self.real.view(-1), size=self.rows).squeeze(1)  # (T,) no host read
+        return self._index
+
+    def pad(self, rows: Tensor) -> Tensor:
+        """Rows (T, ...) as a padded batch (B, N, ...), 0 at padding."""
+        B, N = self.batch, self.length
+        if self.counts is None:
+            return rows.view(B, N, *rows.shape[1:])
+        out = rows.new_zeros(B * N, *rows.shape[1:])
+        return out.index_copy_(0, self.index(), rows).view(B, N, *rows.shape[1:])  # (B, N, ...)
+
+    def take(self, padded: Tensor) -> Tensor:
+        """The rows (T, ...) of a padded batch (B, N, ...)."""
+        flat = padded.reshape(self.batch * self.length, *padded.shape[2:])  # (B * N, ...)
+        return flat if self.counts is None else flat.index_select(0, self.index())
+
+
+@dataclasses.dataclass
+class TokenState:
+    """The token set between blocks, besides the tokens x themselves: in train mode (B, N, C) with every token,
+    in eval mode the rows (T, C) of the surviving ones (:class:`Layout`). Prefix tokens stay at the front."""
+
+    size: Tensor  # patches each token stands for: (B, N) in train mode, (T,) in eval mode
+    layout: Layout  # eval: where the rows are (train: B and N)
+    keep: Tensor | None = None  # train mode: (B, N) straight-through mask (eq. 3); eval: None (every row survives)
+    source: Tensor | None = None  # patches covered by each token, (B, N, N0) or (T, N0), if traced
+    merged_once: bool = False  # sizes may differ from 1 (proportional attention needed)
+
+
+class Captured(NamedTuple):
+    """One reduction decision's scores, recorded for analysis (``ReduceConfig.capture``)."""
+
+    layer: int
+    op: str  # "merge" or "prune"
+    scores: Tensor  # (B, K) similarity to the best match in set B (merge) or importance (prune)
+    candidates: Tensor  # (B, K) bool: set A tokens that may merge, or the surviving patch tokens (prune)
+    importance: Tensor | None  # (B, K) merge decisions: the A tokens' importance, where the method computes it
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Per-image counts of one block's reduction: ints (the same in every image), host lists, (B,) tensors, or
+    (B, K) bool masks whose row sums are the counts (summed when the record is read)."""
+
+    merged: Tensor | int | list[int]  # tokens merged away in this block
+    pruned: Tensor | int | list[int]  # tokens pruned in this block
+    kept: Tensor | int | list[int]  # patch tokens surviving this block (hard count)
+    kept_frac: Tensor | int | list[int]  # surviving patch tokens, differentiable in train mode (m-bar of eq. 13, x n)
+
+
+class Merge(NamedTuple):
+    """A merge decision: the set-A tokens at ``src`` (B, K) that ``mask`` selects join the tokens at ``dst``."""
+
+    src: Tensor  # (B, K) positions of the set-A tokens
+    dst: Tensor  # (B, K) positions of their most similar set-B tokens
+    mask: Tensor  # (B, K) merged: bool, or in train mode straight-through 0/1 values (eq. 1-2)
+    hard: Tensor  # (B, K) bool, merged
+    cand: Tensor  # (B, K) bool, set-A tokens that may merge
+
+
+def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, alive: Tensor | None, in_order: bool,
+                 threshold: Tensor | None, rate: int, importance: Tensor | None) -> Merge:
+    """ToMe's matching over the survivors in order (A/B alternate over them, prefix tokens never merge or receive),
+    then eq. 1: an A token merges into its most similar B token where the similarity passes the threshold, or for
+    fixed rates where it is among the ``rate`` best matched (ties to the earlier position).
+
+    Args:
+        metric: (B, N, D) keys summed over heads. alive: (B, N) bool, the survivors (None: every token).
+        in_order: the survivors are the first positions of each row (eval), so no reordering is needed.
+    """
+    B, N, _ = metric.shape
+    patches = _patches(plan, N, cfg.num_prefix, metric.device)  # (N,)
+    order = None
+    if alive is None:  # every token: the blocked pairs are a constant
+        mergeable = patches.expand(B, N)
+        blocked = constant(plan, ("blocked", N, cfg.num_prefix, metric.device), lambda: ops.blocked_pairs(patches))
+    else:
+        mergeable = alive & patches  # (B, N)
+        if not in_order:  # the survivors first, in order (distinct keys: any sort gives the same order)
+            pos = positions(plan, N, alive.device)  # (N,)
+            order = torch.where(alive, pos, pos + N).topk(N, dim=1, largest=False).indices  # (B, N)
+            metric = metric.gather(1, order[..., None].expand(metric.shape))  # (B, N, D)
+            mergeable = mergeable.gather(1, order)  # (B, N)
+        blocked = ops.blocked_pairs(mergeable)  # (B, Na, Nb)
+    score, j = ops.match(metric, blocked, pad=plan.symbolic)  # (B, Na) each; -inf where A may not merge
+    src = constant(plan, ("even", N, metric.device), lambda: torch.arange(0, N, 2, device=metric.device)).expand(
+        B, -1)  # (B, Na) set A: even positions
+    dst = torch.add(_scalar(plan, 1, j.device), j, alpha=2)  # (B, Na) 2j + 1, their B tokens' positions
+    if plan.symbolic or N < 2:
+        dst = dst.clamp(max=N - 1)  # match's padding column (never selected) points in range
+    if order is not None:
+        src, dst = order.gather(1, src), order.gather(1, dst)
+    cand = mergeable[:, 0::2]  # (B, Na) set-A tokens that may merge
+    if cfg.capture is not None:
+        cfg.capture.append(Captured(layer, "merge", score.detach().cpu(), cand.cpu(),
+                                    None if importance is None else importance.gather(1, src).detach().cpu()))
+    if cfg.learned:
+        if cfg.fit is not None:
+            fit_threshold(threshold, score[cand], cfg.fit[0], largest=True)
+        mask = ops.threshold_mask(score, threshold, cfg.tau, soft=plan.train)  # (B, Na) eq. 1-2 (0 outside cand)
+    else:  # k = min(rate, |A|, |B|) per image
+        if plan.static:
+            k = _scalar(plan, tome_k(rate, N, cfg.num_prefix), metric.device)
+        else:
+            k = torch.minimum(cand.sum(1), mergeable[:, 1::2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
+        mask = ops.kbest(score, k, largest=True, earlier=_earlier(plan, score.shape[1], score.device))
+        mask = mask.to(torch.float32) if plan.train else mask
+    hard = mask if mask.dtype == torch.bool else mask.detach() > 0.5
+    return Merge(src, dst, mask, hard, cand)
+
+
+def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, alive: Tensor,
+                 threshold: Tensor | None, rate: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Which surviving patch tokens are pruned: those whose importance does not pass the threshold (eq. 1), or
+    for fixed rates the ``rate`` least important (ties to the earlier position); with ``keep_one`` an image's most
+    important candidate is spared when every candidate would go.
+
+    Returns:
+        The pruned tokens (B, N) bool, the candidates (B, N) bool, and in train mode the candidates' keep mask
+        (B, N) with straight-through values (eq. 2; else None).
+    """
+    cand = alive & _patches(plan, alive.shape[1], cfg.num_prefix, alive.device)  # (B, N)
+    if cfg.capture is not None:
+        cfg.capture.append(Captured(layer, "prune", importance.detach().cpu(), cand.cpu(), None))
+    soft = None
+    if cfg.learned:
+        if cfg.fit is not None:
+            fit_threshold(threshold, importance[cand], cfg.fit[1], largest=False)
+        kept = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) eq. 1-2
+        drop = cand & ~(kept if kept.dtype == torch.bool else kept.detach() > 0.5)
+        soft = None if kept.dtype == torch.bool else kept
+    else:
+        drop = ops.kbest(importance.masked_fill(~cand, float("inf")), _scalar(plan, rate, cand.device), largest=False,
+                         earlier=_earlier(plan, cand.shape[1], cand.device)) & cand  # (B, N)
+        soft = (~drop).to(importance.dtype) if plan.train else None
+    if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
+        top = importance.detach().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
+        spare = torch.zeros_like(cand).scatter_(1, top, True) & (drop.sum(1, keepdim=True) == cand.sum(1, keepdim=True))
+        if soft is not None:
+            soft = soft + (spare & drop).to(soft.dtype)
+        drop = drop & ~spare
+    return drop, cand, soft
+
+
+def _patches(plan: Plan, n: int, num_prefix: int, device: torch.device) -> Tensor:
+    """(n,) bool, True past the prefix tokens."""
+    return constant(plan, ("patches", n, num_prefix, device), lambda: torch.arange(n, device=device) >= num_prefix)
+
+
+def _scalar(plan: Plan, value: int, device: torch.device) -> Tensor:
+    """A 0-d long tensor: a comparison with it is one operator call, with a Python number five."""
+    return constant(plan, ("scalar", value, device), lambda: torch.tensor(value, device=device))
+
+
+def _all(plan: Plan, layout: Layout, device: torch.device) -> Tensor:
+    """(B, N) bool, every position."""
+    B, N = layout.batch, layout.length
+    return constant(plan, ("all", B, N, device), lambda: torch.ones(B, N, dtype=torch.bool, device=device))
+
+
+def _earlier(plan: Plan, n: int, device: torch.device) -> Tensor:
+    """(n, n) bool, [i, j]: position j comes before position i (:func:`ltmp.ops.kbest`)."""
+    return constant(plan, ("earlier", n, device), lambda: torch.ones(n, n, dtype=torch.bool, device=device).tril(-1))
+
+
+def tome_k(rate: int, n: int, num_prefix: int) -> int:
+    """Tokens a fixed rate merges from ``n`` tokens: at most ``rate``, and at most set A's and set B's size past
+    the prefix (the even and the odd positions)."""
+    return min(rate, len(range(num_prefix + num_prefix % 2, n, 2)), n // 2 - num_prefix // 2)
+
+
+@torch.no_grad()
+def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: bool) -> None:
+    """Set a threshold so that the given fraction of ``scores`` passes it: the largest scores for merging (eq. 1:
+    merge where ``score > threshold``), the smallest for pruning. Training-free calibration (not in the paper): one
+    batch's quantiles stand in for learned thresholds."""
+    if fraction <= 0 or scores.numel() == 0:
+        threshold.fill_(math.inf if largest else -math.inf)
+        return
+    q = 1.0 - fraction if largest else fraction
+    threshold.fill_(torch.quantile(scores.detach().double().flatten(), min(max(q, 0.0), 1.0)).item())
+
+
+def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor | None,
+                metric: Tensor | None, merge_threshold: Tensor | None, prune_threshold: Tensor | None, rate: int
+                ) -> tuple[Tensor, TokenState, StepResult]:
+    """Merge and/or prune one block's tokens, between its attention and its MLP: decide, then apply.
+
+    Args:
+        x: (B, N, C) tokens (train) or their rows (T, C) (eval), after the attention residual.
+        importance: (B, N) scores of eq. 16/17 from this block's attention, if the method prunes (padded in eval).
+        metric: (B, N, D) keys summed over heads, if the method merges (padded in eval).
+        merge_threshold, prune_threshold: learned thresholds (scalars); rate: a fixed rate's tokens here.
+    """
+    L = state.layout
+    if plan.train:  # the survivors (None: every token)
+        alive = None if state.keep is None else state.keep > 0.5  # (B, N)
+    else:
+        alive = L.real  # (B, N) the real rows (None: every position)
+    in_order = not plan.train
+    decisions = []
+    for op in cfg.ops:
+        if op == "merge":
+            m = decide_merge(cfg, plan, layer, metric, alive, in_order, merge_threshold, rate, importance)
+            stays = ~m.hard  # (B, Na)
+            alive = _all(plan, L, x.device).scatter(1, m.src, stays) if alive is None else alive.scatter(
+                1, m.src, alive.gather(1, m.src) & stays)  # (B, N)
+            if importance is not None and cfg.ops[-1] == "prune":  # a merged group's importance, for pruning
+                importance = ops.group_max(importance, m.src, m.dst, m.hard)  # (B, N)
+            decisions.append(m)
+        else:
+            alive = _all(plan, L, x.device) if alive is None else alive
+            drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold, rate)
+            alive = alive & ~drop  # (B, N)
+            in_order = False  # (ltpm) a merge after pruning splits A/B over the survivors, not the positions
+            decisions.append((drop, cand, soft))
+    if plan.train:
+        return _apply_masks(x, state, cfg, decisions)
+    return _apply_rows(x, state, cfg, plan, decisions, alive, rate)
+
+
+def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: list) -> tuple:
+    """Train mode: the decisions as straight-through masks, every token kept in place.
+
+    A merge adds each A token's size-weighted value into its B token with the merge mask as its weight (the
+    merged averages pass the gradient to the merge threshold, ``merge_grad="average"``); tokens that receive
+    nothing are returned bit-identical. The keep mask follows eq. 3's case rule: a surviving candidate takes this
+    block's masks (``1 - M_merge``, ``M_prune``, their product for a candidate of both); every other token keeps
+    the mask it entered with (a removed one its old value, with the gradient path to the threshold that removed
+    it)."""
+    B, N, C = x.shape
+    size, source, entering = state.size, state.source, state.keep
+    if entering is None:  # nothing removed yet
+        entering = torch.ones_like(size)
+    factor = touched = keep = None
+    merged = pruned = x.new_zeros(B, dtype=torch.long)
+    for d in decisions:
+        if isinstance(d, Merge):
+            w = d.mask if cfg.merge_grad == "average" else d.mask.detach()  # (B, K)
+            flat = d.dst + (torch.arange(B, device=x.device) * N)[:, None]  # (B, K) rows of the flat batch
+            rows = torch.cat([torch.arange(B * N, device=x.device), flat.view(-1)])  # (B * N + B * K,)
+            moved = x.gather(1, d.src[..., None].expand(-1, -1, C))  # (B, K, C)
+            s = torch.cat([size.view(-1), (size.gather(1, d.src) * w).view(-1)])  # (B * N + B * K,)
+            extra = None if source is None else torch.cat(
+                [source.reshape(B * N, -1), (source.gather(1, d.src[..., None].expand(-1, -1, source.shape[2]))
+                                          * d.hard[..., None]).reshape(B * d.src.shape[1], -1)])
+            out, den, extra = ops.merge_rows(torch.cat([x.reshape(B * N, C), moved.reshape(-1, C)]), s, rows, B * N, extra)
+            received = torch.zeros_like(size).scatter_add(1, d.dst, d.hard.to(size.dtype)) > 0  # (B, N)
+            x = torch.where(received[..., None], out.view(B, N, C), x)  # (B, N, C)
+            size = den.view(B, N)
+            source = None if extra is None else extra.view(B, N, -1)
+            m = torch.ones_like(size).scatter(1, d.src, 1 - d.mask.to(size.dtype))  # (B, N) 1 - M_merge at set A
+            cand = torch.zeros(B, N, dtype=torch.bool, device=x.device).scatter(1, d.src, d.cand)  # (B, N)
+            merged = d.hard.sum(1)
+        else:
+            drop, cand, m = d
+            m = torch.where(cand, m, torch.ones_like(m))  # (B, N)
+            pruned = drop.sum(1)
+        factor = m if factor is None else factor * m
+        touched = cand if touched is None else touched | cand
+        keep = torch.where(touched, factor, entering)  # (B, N) eq. 3
+    patch_keep = keep[:, cfg.num_prefix:]  # (B, N - P)
+    result = StepResult(merged=merged, pruned=pruned, kept=(patch_keep > 0.5).sum(1), kept_frac=patch_keep.sum(1))
+    return x, dataclasses.replace(state, size=size, keep=keep, source=source,
+                                  merged_once=state.merged_once or "merge" in cfg.ops), result
+
+
+def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, decisions: list, alive: Tensor,
+                rate: int) -> tuple:
+    """Eval mode: the survivors ``alive`` (B, N) keep their order and become the new rows, image by image; a merged
+    token joins its target's row, and each new row is the size-weighted average of the rows it receives (a target
+    pruned in the same block takes its group along). One sum of rows into rows does the merging and the
+    compaction. The new counts follow from the shapes for fixed rates; for learned thresholds they are read back
+    from the device, the step's one host synchronisation."""
+    L = state.layout
+    B, N, P = L.batch, L.length, cfg.num_prefix
+    merge = next((d for d in decisions if isinstance(d, Merge)), None)
+    drop = next((d[0] for d in decisions if not isinstance(d, Merge)), None)
+    if plan.static:  # fixed rates: every image removes the same number of tokens
+        n_merged = 0 if merge is None else tome_k(rate, N, P)
+        n_cand = N - n_merged - P
+        n_pruned = 0 if drop is None else min(rate, n_cand) - int(cfg.keep_one and 0 < n_cand <= rate)
+        n_new = N - n_merged - n_pruned
+        counts, result = None, StepResult(merged=n_merged, pruned=n_pruned, kept=n_new - P, kept_frac=n_new - P)
+        T_new = B * n_new
+    else:
+        count_t = alive.sum(1)  # (B,)
+        counts = count_t.tolist()  # the host read
+        if plan.symbolic:
+            for c in counts:
+                torch._check_is_size(c)
+                torch._check(c <= N)
+        kept = [c - P for c in counts]
+        result = StepResult(merged=0 if merge is None else merge.hard, pruned=0 if drop is None else drop,
+                            kept=kept, kept_frac=kept)
+        n_new, T_new = max(counts), sum(counts)
+    flat = alive.view(-1)  # (B * N,)
+    slot = flat.cumsum(0).masked_fill_(~flat, 0).view(B, N)  # (B, N) each survivor's new row from 1; 0 (cut
+    #                                                            off) for the others
+    if merge is not None:  # a merged token joins its target's row (row 0 if the target was pruned)
+        slot = slot.scatter_add(1, merge.src, slot.gather(1, merge.dst).masked_fill_(~merge.hard, 0))
+    average = state.merged_once or merge is not None  # else every size is 1 and each new row receives one row
+    x, size, source = ops.merge_rows(x, state.size, L.take(slot), T_new + 1, state.source, average)
+    # (under torch.compile a padded layout always: a check of equal counts would guard on the counts)
+    if counts is None or B == 1 or (not plan.compiling and all(c == n_new for c in counts)):
+        layout = Layout(B, n_new)
+    else:
+        layout = Layout(B, n_new, counts, positions(plan, n_new, x.device) < count_t[:, None])  # real (B, n_new)
+    return x[1:], TokenState(size[1:], layout, None, None if source is None else source[1:], average), result
