@@ -86,3 +86,32 @@ def test_onnx_export_runs_in_onnxruntime_with_data_dependent_counts(method, tmp_
     for x, w in zip(xs, want):
         got = torch.from_numpy(session.run(None, {name: x.numpy()})[0])
         assert torch.allclose(got, w, atol=1e-4, rtol=0), (got - w).abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["tome", "topk-prune", "ltmp"])
+def test_exported_models_decide_as_eager_on_real_images(method, tmp_path):
+    """Issue #37: on 200 bundled CIFAR-10 test images an exported (.pt2) ToMe, top-k or LTMP model takes the eager
+    model's decisions (another decision moves the logits by far more than float32 rounding; the engine runs the
+    same attention kernel and the same sort-free k-best in both). benchmarks/export_check.py runs all 10,000."""
+    from ltmp import data as ldata
+    from ltmp.calibrate import calibrate
+    from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
+
+    model = ltmp.runtime.create_model(BUNDLED_MODEL, pretrained=True).float().eval()
+    _, tf, _ = ldata.transforms_for(model, "none")
+    root = ldata.resolve_root(BUNDLED_DATA)
+    test = ldata.ImageFolder(ldata.split_dir(root, "test"), tf)
+    xs = torch.stack([test[i][0] for i in range(200)])
+    ltmp.patch(model, method, **({"r": 4} if method == "tome" else {"k": 3} if method == "topk-prune" else {}))
+    if method == "ltmp":
+        train = ldata.ImageFolder(ldata.split_dir(root, "train"), tf)
+        calibrate(model, torch.stack([train[i][0] for i in range(0, 4000, 125)]), 0.5, mode="quantile", iters=8)
+    exported = load_exported(export_model(model.eval(), xs[:1], "export", tmp_path / "m.pt2"))
+    kept = set()
+    with torch.no_grad():
+        for x in xs.split(1):
+            want = model(x)
+            kept.add(int(ltmp.stats(model).kept[0, -1]))
+            assert torch.allclose(exported(x), want, atol=1e-5, rtol=0), (exported(x) - want).abs().max()
+    assert method != "ltmp" or len(kept) > 10, kept  # the images keep many different token counts

@@ -247,6 +247,8 @@ def test_match_pairs_even_positions_with_their_most_similar_odd_position(n):
     mergeable = torch.rand(3, n, generator=g) > 0.3
     mergeable[:, 0] = False  # a class token
     score, j = ops.match(metric, ops.blocked_pairs(mergeable))
+    assert all(torch.equal(a, b) for a, b in zip((score, j), ops.match(metric, ops.blocked_pairs(mergeable),
+                                                                      views=True)))  # strided views: the same
     sim = _cosine(metric[:, 0::2], metric[:, 1::2]).masked_fill(~mergeable[:, None, 1::2], float("-inf"))
     assert score.shape == j.shape == (3, (n + 1) // 2)
     for b in range(3):
@@ -282,23 +284,26 @@ def test_similarity_scores_stay_in_float32_under_autocast():
 
 
 def test_kbest_selects_k_per_row_ties_to_the_earlier_position():
+    kbest = ops.kbest
     s = torch.tensor([[9.0, 0.1, 0.1, 0.5, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])  # 9.0: not a candidate (lowest)
-    assert ops.kbest(s, 2, largest=False).tolist() == [[False, True, False, False, True],
+    assert kbest(s, 2, largest=False).tolist() == [[False, True, False, False, True],
                                                        [True, True, False, False, False]]
-    assert ops.kbest(s, 2, largest=True).tolist() == [[True, False, False, True, False],
+    assert kbest(s, 2, largest=True).tolist() == [[True, False, False, True, False],
                                                       [True, True, False, False, False]]
-    assert ops.kbest(s, torch.tensor([[1], [3]]), largest=True).sum(1).tolist() == [1, 3]
-    assert ops.kbest(s, 9, largest=True).sum(1).tolist() == [5, 5]
+    assert kbest(s, torch.tensor([[1], [3]]), largest=True).sum(1).tolist() == [1, 3]
+    assert kbest(s, 9, largest=True).sum(1).tolist() == [5, 5]
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_kbest_equals_a_stable_sort(seed):
     g = torch.Generator().manual_seed(seed)
     s = torch.randint(0, 4, (6, 20), generator=g).double()  # many ties
+    earlier = torch.ones(20, 20, dtype=torch.bool).tril(-1)
     for largest in (False, True):
         order = s.sort(dim=1, descending=largest, stable=True).indices[:, :5]
         ref = torch.zeros(6, 20, dtype=torch.bool).scatter_(1, order, True)
         assert torch.equal(ops.kbest(s, 5, largest), ref)
+        assert torch.equal(ops.kbest(s, 5, largest, earlier=earlier), ref)
 
 
 def test_group_max_raises_targets_to_their_group_max():
@@ -359,7 +364,7 @@ def test_kept_constants_are_made_outside_inference_mode_and_bounded(monkeypatch)
     from ltmp import step
 
     plan = step.Plan(train=False, grad=False, symbolic=False, compiling=False, static=False, amp=False,
-                     attention="explicit", group_macs=None, max_buckets=1, cache=True)
+                     attention="explicit", group_macs=None, max_buckets=1, cache=True, views=True)
     monkeypatch.setattr(step, "MAX_CONSTANTS", 3)
     step._CONSTANTS.clear()
     cpu = torch.device("cpu")

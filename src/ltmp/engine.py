@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from . import ops
 from .adapters import BlockView
 from .record import Record
-from .step import Layout, Plan, ReduceConfig, StepResult, TokenState, positions, reduce_step
+from .step import Layout, Plan, ReduceConfig, StepResult, TokenState, reduce_step
 
 #: Device-dependent speed choices (none changes results), with the measurement behind each value. A device type not
 #: listed takes "default". ``ReduceConfig.execution`` overrides them per model.
@@ -95,7 +95,7 @@ def plan(cfg: ReduceConfig, x: Tensor, training: bool) -> Plan:
                 attention=attention, group_macs=tune["group_macs"] if groups else None,
                 max_buckets=tune["max_buckets"],
                 cache=not traced and _python_dispatch._get_current_dispatch_mode() is None
-                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()), views=not (grad or traced))
 
 
 def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buckets: int
@@ -153,7 +153,10 @@ def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, keep:
     H, D = view.heads, view.head_dim
     soft = keep is not None and keep.requires_grad  # the mask needs eq. 6's gradient
     backend = plan.attention if view.fused and not soft else "explicit"
-    t = qkv.view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
+    if plan.views and qkv.stride(2) == 1:  # timm's reshape and permute as one strided view
+        t = qkv.as_strided((3, b, H, n, D), (H * D, qkv.stride(0), D, qkv.stride(1), 1), qkv.storage_offset())
+    else:
+        t = qkv.view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
     q, k, v = (t.contiguous() if backend == "explicit" else t).unbind(0)  # (b, H, n, D) each
     q, k = view.q_norm(q), view.k_norm(k)
     importance = fused = None
@@ -173,6 +176,8 @@ def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, keep:
         if cfg.needs_importance:
             importance = ops.importance_scores(probs, rows, cfg.importance)  # (b, n)
     metric = ops.head_sum(k) if cfg.needs_metric else None  # (b, n, D)
+    if plan.views and o.stride() == (n * H * D, D, H * D, 1):  # a fused kernel's (b, n, H, D) layout: a view
+        return o.as_strided((b, n, H * D), (n * H * D, H * D, 1), o.storage_offset()), importance, metric
     return o.transpose(1, 2).reshape(b, n, H * D), importance, metric
 
 

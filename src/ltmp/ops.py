@@ -101,7 +101,8 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor
         if bias is not None:
             attn = (attn.view(B, H, N, N) + bias.view(B, 1, 1, N)).view(B * H, N, N)
     elif bias is None:
-        attn = torch.bmm(q3, k3.transpose(1, 2)) * scale  # (B * H, N, N)
+        attn = torch.baddbmm(q3.new_empty(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)  # (B * H, N, N);
+        #      the scale folded into the matmul (one call; with beta 0 the empty input is not read)
     else:  # scale and bias folded into one call; each head's copy of the bias
         attn = torch.baddbmm(torch.cat([bias.view(B, 1, N)] * H, 1).view(B * H, 1, N), q3, k3.transpose(1, 2),
                              alpha=scale)  # (B * H, N, N)
@@ -266,7 +267,7 @@ def head_sum(k: Tensor) -> Tensor:
     return k.sum(1)  # (B, N, D)
 
 
-def match(metric: Tensor, blocked: Tensor, pad: bool = False) -> tuple[Tensor, Tensor]:
+def match(metric: Tensor, blocked: Tensor, pad: bool = False, views: bool = False) -> tuple[Tensor, Tensor]:
     """ToMe's bipartite matching on tokens in order: set A is the even positions, set B the odd ones, and each A
     token's score is its highest cosine similarity with a B token (the first on ties). Similarities are float32 at
     least, also under autocast: bf16 rounds them to steps of 1/256 near 1, where thresholds sit.
@@ -276,6 +277,7 @@ def match(metric: Tensor, blocked: Tensor, pad: bool = False) -> tuple[Tensor, T
         blocked: (B, Na, Nb) or (Na, Nb) bool, the pairs that may not merge (:func:`blocked_pairs`).
         pad: add a column no token can match, so that an empty set B (one token) needs no branch on N (symbolic
             sizes); without it, that column is added when set B is empty.
+        views: take sets A and B as strided views (fewer operator calls than slices; not with gradients).
 
     Returns:
         The score (B, Na), -inf where the A token cannot merge or no B token can receive (such a token never
@@ -283,8 +285,14 @@ def match(metric: Tensor, blocked: Tensor, pad: bool = False) -> tuple[Tensor, T
     """
     u = cast(metric, wide(metric.dtype))
     u = u / u.norm(dim=-1, keepdim=True)  # (B, N, D)
+    if views:
+        (B, N, D), (sB, sN, sD) = u.shape, u.stride()
+        a = u.as_strided((B, (N + 1) // 2, D), (sB, 2 * sN, sD))  # (B, Na, D) rows 0, 2, ...
+        bt = u.as_strided((B, D, N // 2), (sB, sD, 2 * sN), sN)  # (B, D, Nb) rows 1, 3, ... transposed
+    else:
+        a, bt = u[:, 0::2], u[:, 1::2].transpose(1, 2)
     with exact(u.device.type):
-        sim = torch.bmm(u[:, 0::2], u[:, 1::2].transpose(1, 2))  # (B, Na, Nb)
+        sim = torch.bmm(a, bt)  # (B, Na, Nb)
     sim.masked_fill_(blocked, float("-inf"))  # (B, Na, Nb)
     if pad or sim.shape[-1] == 0:
         sim = torch.cat([sim, sim.new_full((*sim.shape[:2], 1), float("-inf"))], 2)  # (B, Na, Nb + 1)
@@ -305,21 +313,22 @@ def kbest(scores: Tensor, k: Tensor | int, largest: bool, earlier: Tensor | None
     that may not be chosen must score -inf (``largest``) or +inf: they come last.
 
     A token's rank is the number of tokens that come before it (a better score, or an equal score at an earlier
-    position), so the selection is exact without a stable sort, which ONNX lacks: eager and exported models
-    select alike. O(M^2) comparisons per row; M is a token count.
+    position): the rank of a stable sort, without a sort (ONNX has no stable sort, so eager and exported models
+    select alike), in O(M^2) comparisons per row.
 
     Args:
-        scores: (B, M). k: how many per row, an int or (B, 1).
+        scores: (B, M). k: how many per row, an int, (B, 1) or a 0-d tensor.
         earlier: (M, M) bool, [i, j] true where j < i (the caller may keep it; made here if not given).
 
     Returns:
         (B, M) bool mask of the selected tokens.
     """
-    s = scores.detach()  # (B, M)
-    si, sj = s[:, :, None], s[:, None, :]  # (B, M, 1), (B, 1, M)
     if earlier is None:
-        earlier = torch.ones(s.shape[1], s.shape[1], dtype=torch.bool, device=s.device).tril(-1)  # (M, M)
-    before = torch.where(earlier, sj >= si, sj > si) if largest else torch.where(earlier, sj <= si, sj < si)
+        earlier = torch.ones(scores.shape[1], scores.shape[1], dtype=torch.bool, device=scores.device).tril(-1)
+    B, M = scores.shape
+    si, sj = scores.view(B, M, 1), scores.view(B, 1, M)
+    better = sj > si if largest else sj < si  # (B, M, M) [b, i, j]: j scores better than i
+    before = better.bitwise_or_((sj == si).bitwise_and_(earlier))  # (B, M, M) j comes before i
     return before.sum(-1) < k  # (B, M); before: (B, M, M)
 
 
@@ -330,24 +339,25 @@ def group_max(importance: Tensor, src: Tensor, dst: Tensor, merged: Tensor) -> T
     return importance.scatter_reduce(1, dst, moved, reduce="amax", include_self=True)  # (B, N)
 
 
-def merge_rows(x: Tensor, size: Tensor, rows: Tensor, n: int, extra: Tensor | None = None, average: bool = True
-               ) -> tuple[Tensor, Tensor, Tensor | None]:
+def merge_rows(x: Tensor, size: Tensor, rows: Tensor, n: int, extra: Tensor | None = None, average: bool = True,
+               weighted: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
     """ToMe's merge: the rows of x (M, C) with their sizes (M,) summed into rows ``rows`` (M,) of an output of
     ``n`` rows, each output row the size-weighted average of the rows it receives (in at least the size dtype:
     float32 under AMP), its size their sum. ``extra`` (M, K) rows are summed (the patch maps of which patches a
     token covers). Rows are summed in their order. Without ``average`` (every size 1, and each output row receives
-    at most one row) the rows are copied. An output row that receives nothing is 0/0 (0 without ``average``);
-    callers cut or replace it.
+    at most one row) the rows are copied; without ``weighted`` every size is 1 (x needs no weights). An output
+    row that receives nothing is 0/0 (0 without ``average``); callers cut or replace it.
 
     Returns:
         x (n, C), size (n,), extra (n, K) or None.
     """
     C = x.shape[1]
-    den = torch.zeros(n, dtype=size.dtype, device=size.device).index_add_(0, rows, size)  # (n,)
+    den = torch.empty(n, dtype=size.dtype, device=size.device).zero_().index_add_(0, rows, size)  # (n,)
     if extra is not None:
         extra = torch.zeros(n, extra.shape[1], dtype=extra.dtype, device=extra.device).index_add_(0, rows, extra)
     if not average:
-        return torch.zeros(n, C, dtype=x.dtype, device=x.device).index_add_(0, rows, x), den, extra  # (n, C)
+        return torch.empty(n, C, dtype=x.dtype, device=x.device).zero_().index_add_(0, rows, x), den, extra  # (n, C)
     dt = x.dtype if x.dtype == size.dtype else torch.promote_types(x.dtype, size.dtype)
-    num = torch.zeros(n, C, dtype=dt, device=x.device).index_add_(0, rows, cast(x, dt) * cast(size, dt)[:, None])
-    return cast(num / cast(den, dt)[:, None], x.dtype), den, extra  # (n, C), (n,), (n, K)
+    xs = cast(x, dt) * cast(size, dt).view(-1, 1) if weighted else cast(x, dt)  # (M, C)
+    num = torch.empty(n, C, dtype=dt, device=x.device).zero_().index_add_(0, rows, xs)  # (n, C)
+    return cast(num / cast(den, dt).view(-1, 1), x.dtype), den, extra  # (n, C), (n,), (n, K)

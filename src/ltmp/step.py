@@ -104,6 +104,8 @@ class Plan:
     group_macs: float | None  # attention of padded batches in groups, each costing this much more; None: never
     max_buckets: int
     cache: bool  # small constants may be kept between forwards (not while tracing, under a tensor mode, ...)
+    views: bool  # strided views instead of slices and permutes: fewer operator calls (not with gradients, as
+    #              as_strided's backward is slow, nor while tracing)
 
 
 _CONSTANTS: dict[tuple, Tensor] = {}
@@ -161,7 +163,7 @@ class Layout:
 
     def take(self, padded: Tensor) -> Tensor:
         """The rows (T, ...) of a padded batch (B, N, ...)."""
-        flat = padded.reshape(self.batch * self.length, *padded.shape[2:])  # (B * N, ...)
+        flat = padded.view(self.batch * self.length, *padded.shape[2:])  # (B * N, ...)
         return flat if self.counts is None else flat.index_select(0, self.index())
 
 
@@ -205,7 +207,8 @@ class Merge(NamedTuple):
     dst: Tensor  # (B, K) positions of their most similar set-B tokens
     mask: Tensor  # (B, K) merged: bool, or in train mode straight-through 0/1 values (eq. 1-2)
     hard: Tensor  # (B, K) bool, merged
-    cand: Tensor  # (B, K) bool, set-A tokens that may merge
+    stays: Tensor  # (B, K) bool, not merged
+    cand: Tensor | None  # (B, K) bool, set-A tokens that may merge (train mode, analysis, calibration)
 
 
 def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, alive: Tensor | None, in_order: bool,
@@ -222,7 +225,7 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
     patches = _patches(plan, N, cfg.num_prefix, metric.device)  # (N,)
     order = None
     if alive is None:  # every token: the blocked pairs are a constant
-        mergeable = patches.expand(B, N)
+        mergeable = None
         blocked = constant(plan, ("blocked", N, cfg.num_prefix, metric.device), lambda: ops.blocked_pairs(patches))
     else:
         mergeable = alive & patches  # (B, N)
@@ -232,15 +235,18 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
             metric = metric.gather(1, order[..., None].expand(metric.shape))  # (B, N, D)
             mergeable = mergeable.gather(1, order)  # (B, N)
         blocked = ops.blocked_pairs(mergeable)  # (B, Na, Nb)
-    score, j = ops.match(metric, blocked, pad=plan.symbolic)  # (B, Na) each; -inf where A may not merge
-    src = constant(plan, ("even", N, metric.device), lambda: torch.arange(0, N, 2, device=metric.device)).expand(
-        B, -1)  # (B, Na) set A: even positions
+    score, j = ops.match(metric, blocked, pad=plan.symbolic, views=plan.views)  # (B, Na) each; -inf: no merge
+    src = constant(plan, ("even", B, N, metric.device), lambda: torch.arange(0, N, 2, device=metric.device).expand(
+        B, -1))  # (B, Na) set A: even positions
     dst = torch.add(_scalar(plan, 1, j.device), j, alpha=2)  # (B, Na) 2j + 1, their B tokens' positions
     if plan.symbolic or N < 2:
         dst = dst.clamp(max=N - 1)  # match's padding column (never selected) points in range
     if order is not None:
         src, dst = order.gather(1, src), order.gather(1, dst)
-    cand = mergeable[:, 0::2]  # (B, Na) set-A tokens that may merge
+    cand = None  # (B, Na) set-A tokens that may merge, where needed
+    if plan.train or cfg.capture is not None or cfg.fit is not None or not (cfg.learned or plan.static):
+        mergeable = patches.expand(B, N) if mergeable is None else mergeable
+        cand = mergeable[:, 0::2]
     if cfg.capture is not None:
         cfg.capture.append(Captured(layer, "merge", score.detach().cpu(), cand.cpu(),
                                     None if importance is None else importance.gather(1, src).detach().cpu()))
@@ -253,10 +259,10 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
             k = _scalar(plan, tome_k(rate, N, cfg.num_prefix), metric.device)
         else:
             k = torch.minimum(cand.sum(1), mergeable[:, 1::2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
-        mask = ops.kbest(score, k, largest=True, earlier=_earlier(plan, score.shape[1], score.device))
+        mask = ops.kbest(score, k, largest=True, earlier=_earlier(plan, score))
         mask = mask.to(torch.float32) if plan.train else mask
     hard = mask if mask.dtype == torch.bool else mask.detach() > 0.5
-    return Merge(src, dst, mask, hard, cand)
+    return Merge(src, dst, mask, hard, ~hard, cand)
 
 
 def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, alive: Tensor,
@@ -269,7 +275,7 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
         The pruned tokens (B, N) bool, the candidates (B, N) bool, and in train mode the candidates' keep mask
         (B, N) with straight-through values (eq. 2; else None).
     """
-    cand = alive & _patches(plan, alive.shape[1], cfg.num_prefix, alive.device)  # (B, N)
+    cand = alive.bitwise_and(_patches(plan, alive.shape[1], cfg.num_prefix, alive.device))  # (B, N)
     if cfg.capture is not None:
         cfg.capture.append(Captured(layer, "prune", importance.detach().cpu(), cand.cpu(), None))
     soft = None
@@ -280,8 +286,9 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
         drop = cand & ~(kept if kept.dtype == torch.bool else kept.detach() > 0.5)
         soft = None if kept.dtype == torch.bool else kept
     else:
-        drop = ops.kbest(importance.masked_fill(~cand, float("inf")), _scalar(plan, rate, cand.device), largest=False,
-                         earlier=_earlier(plan, cand.shape[1], cand.device)) & cand  # (B, N)
+        last = torch.where(cand, importance, _scalar(plan, math.inf, importance.device, importance.dtype))  # (B, N)
+        drop = ops.kbest(last, _scalar(plan, rate, cand.device), largest=False,
+                         earlier=_earlier(plan, importance)).bitwise_and(cand)  # (B, N)
         soft = (~drop).to(importance.dtype) if plan.train else None
     if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
         top = importance.detach().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
@@ -297,9 +304,9 @@ def _patches(plan: Plan, n: int, num_prefix: int, device: torch.device) -> Tenso
     return constant(plan, ("patches", n, num_prefix, device), lambda: torch.arange(n, device=device) >= num_prefix)
 
 
-def _scalar(plan: Plan, value: int, device: torch.device) -> Tensor:
-    """A 0-d long tensor: a comparison with it is one operator call, with a Python number five."""
-    return constant(plan, ("scalar", value, device), lambda: torch.tensor(value, device=device))
+def _scalar(plan: Plan, value: float, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+    """A 0-d tensor: an operation with it is one operator call, with a Python number five."""
+    return constant(plan, ("scalar", value, device, dtype), lambda: torch.tensor(value, device=device, dtype=dtype))
 
 
 def _all(plan: Plan, layout: Layout, device: torch.device) -> Tensor:
@@ -308,8 +315,9 @@ def _all(plan: Plan, layout: Layout, device: torch.device) -> Tensor:
     return constant(plan, ("all", B, N, device), lambda: torch.ones(B, N, dtype=torch.bool, device=device))
 
 
-def _earlier(plan: Plan, n: int, device: torch.device) -> Tensor:
-    """(n, n) bool, [i, j]: position j comes before position i (:func:`ltmp.ops.kbest`)."""
+def _earlier(plan: Plan, scores: Tensor) -> Tensor:
+    """(M, M) bool, [i, j]: position j comes before position i (:func:`ltmp.ops.kbest`)."""
+    n, device = scores.shape[1], scores.device
     return constant(plan, ("earlier", n, device), lambda: torch.ones(n, n, dtype=torch.bool, device=device).tril(-1))
 
 
@@ -352,16 +360,15 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
     for op in cfg.ops:
         if op == "merge":
             m = decide_merge(cfg, plan, layer, metric, alive, in_order, merge_threshold, rate, importance)
-            stays = ~m.hard  # (B, Na)
-            alive = _all(plan, L, x.device).scatter(1, m.src, stays) if alive is None else alive.scatter(
-                1, m.src, alive.gather(1, m.src) & stays)  # (B, N)
+            alive = _all(plan, L, x.device).scatter(1, m.src, m.stays) if alive is None else alive.scatter(
+                1, m.src, alive.gather(1, m.src).bitwise_and(m.stays))  # (B, N)
             if importance is not None and cfg.ops[-1] == "prune":  # a merged group's importance, for pruning
                 importance = ops.group_max(importance, m.src, m.dst, m.hard)  # (B, N)
             decisions.append(m)
         else:
             alive = _all(plan, L, x.device) if alive is None else alive
             drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold, rate)
-            alive = alive & ~drop  # (B, N)
+            alive = alive.bitwise_and(~drop)  # (B, N)
             in_order = False  # (ltpm) a merge after pruning splits A/B over the survivors, not the positions
             decisions.append((drop, cand, soft))
     if plan.train:
@@ -387,14 +394,19 @@ def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: lis
     for d in decisions:
         if isinstance(d, Merge):
             w = d.mask if cfg.merge_grad == "average" else d.mask.detach()  # (B, K)
-            flat = d.dst + (torch.arange(B, device=x.device) * N)[:, None]  # (B, K) rows of the flat batch
-            rows = torch.cat([torch.arange(B * N, device=x.device), flat.view(-1)])  # (B * N + B * K,)
-            moved = x.gather(1, d.src[..., None].expand(-1, -1, C))  # (B, K, C)
-            s = torch.cat([size.view(-1), (size.gather(1, d.src) * w).view(-1)])  # (B * N + B * K,)
+            B_K = B * d.src.shape[1]
+
+            def moved(t: Tensor, src: Tensor = d.src) -> Tensor:  # (B, K, ...) the set-A rows of t (B, N, ...)
+                return t.gather(1, src[..., None].expand(-1, -1, t.shape[2]))
+
+            # every token stays in its row; each A token also joins its target's row with weight w
+            rows = torch.cat([torch.arange(B * N, device=x.device),
+                              (d.dst + (torch.arange(B, device=x.device) * N)[:, None]).view(-1)])  # (B N + B K,)
+            xs = torch.cat([x.reshape(B * N, C), moved(x).reshape(B_K, C)])  # (B N + B K, C)
+            s = torch.cat([size.view(-1), (size.gather(1, d.src) * w).view(-1)])  # (B N + B K,)
             extra = None if source is None else torch.cat(
-                [source.reshape(B * N, -1), (source.gather(1, d.src[..., None].expand(-1, -1, source.shape[2]))
-                                          * d.hard[..., None]).reshape(B * d.src.shape[1], -1)])
-            out, den, extra = ops.merge_rows(torch.cat([x.reshape(B * N, C), moved.reshape(-1, C)]), s, rows, B * N, extra)
+                [source.reshape(B * N, -1), (moved(source) * d.hard[..., None]).reshape(B_K, -1)])
+            out, den, extra = ops.merge_rows(xs, s, rows, B * N, extra)
             received = torch.zeros_like(size).scatter_add(1, d.dst, d.hard.to(size.dtype)) > 0  # (B, N)
             x = torch.where(received[..., None], out.view(B, N, C), x)  # (B, N, C)
             size = den.view(B, N)
@@ -438,7 +450,7 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
         counts = count_t.tolist()  # the host read
         if plan.symbolic:
             for c in counts:
-                torch._check_is_size(c)
+                torch._check(c >= 0)
                 torch._check(c <= N)
         kept = [c - P for c in counts]
         result = StepResult(merged=0 if merge is None else merge.hard, pruned=0 if drop is None else drop,
@@ -448,9 +460,10 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
     slot = flat.cumsum(0).masked_fill_(~flat, 0).view(B, N)  # (B, N) each survivor's new row from 1; 0 (cut
     #                                                            off) for the others
     if merge is not None:  # a merged token joins its target's row (row 0 if the target was pruned)
-        slot = slot.scatter_add(1, merge.src, slot.gather(1, merge.dst).masked_fill_(~merge.hard, 0))
+        slot.scatter_add_(1, merge.src, slot.gather(1, merge.dst).masked_fill_(merge.stays, 0))
     average = state.merged_once or merge is not None  # else every size is 1 and each new row receives one row
-    x, size, source = ops.merge_rows(x, state.size, L.take(slot), T_new + 1, state.source, average)
+    x, size, source = ops.merge_rows(x, state.size, L.take(slot), T_new + 1, state.source, average,
+                                     weighted=state.merged_once)
     # (under torch.compile a padded layout always: a check of equal counts would guard on the counts)
     if counts is None or B == 1 or (not plan.compiling and all(c == n_new for c in counts)):
         layout = Layout(B, n_new)
