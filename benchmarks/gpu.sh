@@ -14,7 +14,8 @@
 #   bf16     benchmarks/speed.py on DeiT-S, bf16 autocast, batch 256
 #   cli      ltmp bench and a short torchrun training run on CUDA
 #   grouping attention in groups of similar token counts on CUDA (off by default there)
-#   lse      importance from the fused kernel's log-sum-exp against explicit probabilities (profile_step --lse)
+#   lse      importance from the fused kernel's log-sum-exp (the CUDA default) against explicit probabilities
+#            (profile_step --lse off|on)
 #   compile  speed.py with every model under torch.compile (Inductor/Triton), fp32; ltmp bench --compile with
 #            learned (calibrated) and ToMe thresholds; a compiled training run
 #   compile-vitb  the same speed.py on the ViT-B shape, bf16 autocast, batch 256
@@ -58,10 +59,10 @@ if want profile; then
 fi
 if want lse; then
     step "importance from the log-sum-exp (profile_step --lse), DeiT-S batch 32, bf16"
-    run $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 --target 0.5 \
-        --device cuda --amp --summary
-    run $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 --target 0.5 \
-        --device cuda --amp --lse --summary
+    for lse in off on; do
+        run $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 --target 0.5 \
+            --device cuda --amp --lse $lse --summary
+    done
 fi
 if want check; then
     step "CUDA == CPU checks"

@@ -2,8 +2,8 @@
 
 For each model and r_target (LTMP thresholds calibrated as in benchmarks/speed.py), times at batch 32: the dense
 model, LTMP with attention on the whole padded batch (``ltmp_config.execution.max_buckets = 1``), LTMP with
-attention in up to 4 groups (the default; ``ltmp.ops.plan_buckets``), and ToMe at LTMP's mean GMACs. Prints time
-ratios to dense and the groups planned per block.
+attention in up to 4 groups (the CPU's default; ``ltmp.engine.plan_buckets``), and ToMe at LTMP's mean GMACs.
+Prints time ratios to dense and the groups planned per block.
 
     python benchmarks/grouping.py                   # deit-s and cifar, r_target 0.7 and 0.5 (about 5 minutes)
     python benchmarks/grouping.py --models deit-s --targets 0.5
@@ -17,7 +17,7 @@ import torch
 
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model
-from ltmp import ops
+from ltmp import engine
 from ltmp.bench import compare_models, paired_ratio
 
 
@@ -46,10 +46,10 @@ def main() -> None:
                         "grouping is off by default")
     args = p.parse_args()
     device = torch.device(args.device)
-    execution = ltmp.Execution()
-    if args.group_macs is not None:
-        execution.group_macs[device.type] = args.group_macs
-    print(f"device {device}, group cost {execution.group_macs.get(device.type)} MACs", flush=True)
+    tuned = engine.TUNING.get(device.type, engine.TUNING["default"])
+    execution = ltmp.Execution(group_macs=args.group_macs if args.group_macs is not None else tuned["group_macs"],
+                               max_buckets=max(tuned["max_buckets"], 4))
+    print(f"device {device}, group cost {execution.group_macs} MACs", flush=True)
     default = execution.max_buckets
     for name in args.models.split(","):
         dense = load_model(name).to(device)
@@ -59,12 +59,12 @@ def main() -> None:
             red, _ = calibrated(dense, target, device)
             red.ltmp_config.execution = execution
             plans = []
-            real = ops.plan_buckets
-            ops.plan_buckets = lambda *a, plans=plans, real=real: plans.append(real(*a)) or plans[-1]
+            real = engine.plan_buckets
+            engine.plan_buckets = lambda *a, plans=plans, real=real: plans.append(real(*a)) or plans[-1]
             try:
                 red(x)
             finally:
-                ops.plan_buckets = real
+                engine.plan_buckets = real
             rec = ltmp.stats(red)
             g = float(ltmp.gmacs(spec, rec.kept.cpu()).mean())
             tome = at_gmacs(dense, "tome", g)

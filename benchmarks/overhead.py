@@ -18,7 +18,8 @@ import torch
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model
 from ltmp.bench import compare_models, paired_ratio
-from ltmp.reduce import ReduceConfig, TokenState, reduce_step
+from ltmp.engine import plan
+from ltmp.step import Layout, ReduceConfig, TokenState, reduce_step
 
 
 def per_call_us(fn, n: int) -> float:
@@ -45,15 +46,19 @@ def thread_counts():
 def main() -> None:
     torch.manual_seed(0)
     N, C, H, D = 197, 384, 6, 64
-    x, metric = torch.randn(1, N, C), torch.randn(1, N, D)
+    x, metric = torch.randn(N, C), torch.randn(1, N, D)  # one image's token rows, its keys summed over heads
     importance = torch.randn(1, H, N, N).softmax(-1).mean(dim=(1, 2))
-    state = TokenState(size=torch.ones(1, N), keep=torch.ones(1, N), compact=True)
+    state = TokenState(size=torch.ones(N), layout=Layout(1, N))
     cfg = ReduceConfig(method="ltmp")
+    p = plan(cfg, x[None], training=False)
     mt, pt = torch.tensor(0.3), torch.tensor(0.5 / N)
-    kept = reduce_step(x, state, cfg, 0, importance, metric, mt, pt)[0].shape[1]
+
+    def step():
+        return reduce_step(x, state, cfg, p, 0, importance.clone(), metric, mt, pt, 0)
+
+    kept = step()[0].shape[0]
     for n in thread_counts():  # its operators are small: a second thread can cost more than it saves
-        us = statistics.median(
-            per_call_us(lambda: reduce_step(x, state, cfg, 0, importance, metric, mt, pt), 200) for _ in range(5))
+        us = statistics.median(per_call_us(step, 200) for _ in range(5))
         print(f"1. one LTMP reduction step, batch 1, DeiT-S shape ({N} -> {kept} tokens), {n} thread(s): {us:.0f} us")
 
     lin = torch.nn.Linear(384, 1536)

@@ -56,8 +56,8 @@ def main() -> None:
     p.add_argument("--per-block", action="store_true", help="also the aten calls of each block and outside them")
     p.add_argument("--by-line", type=int, default=0, metavar="N",
                    help="also the N source lines whose torch calls take the most time (CPU)")
-    p.add_argument("--lse", action="store_true", help="importance from a fused kernel's log-sum-exp "
-                                                       "(Execution.importance_from_lse)")
+    p.add_argument("--lse", choices=["on", "off"], help="importance from a fused kernel's log-sum-exp "
+                   "(Execution.importance_from_lse); default: the device's (ltmp.engine.TUNING: on for CUDA)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--max-buckets", type=int, help="Execution.max_buckets (1: attention never in groups)")
     p.add_argument("--tome-ref", help="a checkout of facebookresearch/ToMe: also profile its timm patch "
@@ -73,7 +73,8 @@ def main() -> None:
     x = load_images(dense, "test", args.forwards * args.batch_size).to(device)
     if not learned:  # a fixed-rate method at LTMP's GMACs on these images
         red = at_gmacs(dense, args.method, mean_gmacs(red, x))
-    red.ltmp_config.execution.importance_from_lse = args.lse
+    if args.lse is not None:
+        red.ltmp_config.execution.importance_from_lse = args.lse == "on"
     if args.max_buckets is not None:
         red.ltmp_config.execution.max_buckets = args.max_buckets
     batches = [x[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.forwards)]
@@ -149,11 +150,11 @@ BLOCK = "profile_step.block"
 @contextlib.contextmanager
 def marked_blocks(model, on: bool):
     """Each transformer block's forward inside a ``record_function`` range (a patched model runs its blocks
-    through ``ltmp.patching._block``, a timm model or the reference ToMe through the block modules)."""
+    through ``ltmp.engine.block``, a timm model or the reference ToMe through the block modules)."""
     if not on:
         yield
         return
-    import ltmp.patching
+    import ltmp.engine
 
     def marked(fn):
         def run(*args, **kwargs):
@@ -162,9 +163,9 @@ def marked_blocks(model, on: bool):
         return run
 
     patched = hasattr(model, "ltmp_config")
-    block_fn = ltmp.patching._block
+    block_fn = ltmp.engine.block
     if patched:
-        ltmp.patching._block = marked(block_fn)
+        ltmp.engine.block = marked(block_fn)
     else:
         for blk in model.blocks:
             blk.forward = marked(blk.forward)
@@ -172,7 +173,7 @@ def marked_blocks(model, on: bool):
         yield
     finally:
         if patched:
-            ltmp.patching._block = block_fn
+            ltmp.engine.block = block_fn
         else:
             for blk in model.blocks:
                 del blk.forward

@@ -60,7 +60,7 @@ def test_masked_attention_passes_gradient_to_the_mask():
     keep_soft = torch.full((2, 9), 0.3, dtype=torch.float64, requires_grad=True)
     hard = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1]] * 2, dtype=torch.float64)
     keep = hard + (keep_soft - keep_soft.detach())
-    out, _ = ops.masked_attention(q, k, v, 0.5, keep, None, soft=True)
+    out, _ = ops.soft_masked_attention(q, k, v, 0.5, keep, None)
     out.pow(2).sum().backward()
     assert keep_soft.grad[hard == 0].abs().min() > 0  # removed keys' masks receive gradient too
     assert torch.isfinite(keep_soft.grad).all()
@@ -73,8 +73,7 @@ def test_masked_attention_finite_when_a_masked_key_holds_the_row_max(dtype):
     keep = torch.ones(2, 9, dtype=torch.float64)
     keep[:, 2] = 0  # ... and is masked
     keep_grad = keep.clone().requires_grad_(True)
-    out, _ = ops.masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.5, keep_grad.to(dtype), None,
-                                  soft=True)
+    out, _ = ops.soft_masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.5, keep_grad.to(dtype), None)
     out.float().sum().backward()
     ref, _ = reference_attention(q, k, v, 0.5, keep.bool(), torch.ones(2, 9, dtype=torch.float64))
     assert torch.isfinite(out).all() and torch.isfinite(keep_grad.grad).all()
@@ -229,7 +228,7 @@ def test_masked_attention_hard_and_soft_masks_agree(sized):
     keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1], [1, 0, 1, 1, 1, 1, 0, 1, 0]], dtype=torch.float64)
     ls = torch.tensor([[1, 2, 1, 3, 1, 1, 1, 2, 1]] * 2, dtype=torch.float64).log() if sized else None
     hard = ops.masked_attention(q, k, v, 0.5, keep, ls)
-    soft = ops.masked_attention(q, k, v, 0.5, keep.requires_grad_(), ls, soft=True)
+    soft = ops.soft_masked_attention(q, k, v, 0.5, keep.requires_grad_(), ls)
     for a, b in zip(hard, soft):
         assert torch.allclose(a, b.detach(), atol=1e-12, rtol=0), (a - b).abs().max()
 

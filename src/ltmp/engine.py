@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from . import ops
 from .adapters import BlockView
 from .record import Record
-from .step import Layout, Plan, ReduceConfig, StepResult, TokenState, reduce_step
+from .step import Layout, Plan, ReduceConfig, StepResult, TokenState, positions, reduce_step
 
 #: Device-dependent speed choices (none changes results), with the measurement behind each value. A device type not
 #: listed takes "default". ``ReduceConfig.execution`` overrides them per model.
@@ -136,88 +136,130 @@ def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buc
     return groups[::-1]
 
 
-def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, keep: Tensor | None,
-              log_size: Tensor | None, rows: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Attention of eq. 5-7 on a batch of images, with the backend of the plan.
+def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, backend: str, q: Tensor, k: Tensor, v: Tensor,
+              keep: Tensor | None, log_size: Tensor | None, rows: Tensor | None) -> tuple:
+    """Attention of eq. 5-7 on a batch of images with one backend (:func:`backend_for`).
 
     Args:
-        qkv: (b, n, 3 * H * D) the projections. keep: (b, n) mask of the keys that count (straight-through in
-            train mode), or None. log_size: (b, n) for proportional attention (-inf at keys that do not count),
-            or None. rows: (b, n) the query rows that eq. 17 averages over (None: all).
+        q, k, v: (b, H, n, D). keep: (b, n) mask of the keys that count (straight-through in train mode), or None.
+        log_size: (b, n) for proportional attention (-inf at keys that do not count), or None. rows: (b, n) the
+            query rows that eq. 17 averages over (None: all).
 
     Returns:
-        The output (b, n, H * D), the importance (b, n) of eq. 16/17 if the method prunes, and the merge metric
+        The output (b, H, n, D), the importance (b, n) of eq. 16/17 if the method prunes, and the merge metric
         (b, n, D) (keys summed over heads) if it merges.
     """
-    b, n, _ = qkv.shape
-    H, D = view.heads, view.head_dim
-    soft = keep is not None and keep.requires_grad  # the mask needs eq. 6's gradient
-    backend = plan.attention if view.fused and not soft else "explicit"
-    if plan.views and qkv.stride(2) == 1:  # timm's reshape and permute as one strided view
-        t = qkv.as_strided((3, b, H, n, D), (H * D, qkv.stride(0), D, qkv.stride(1), 1), qkv.storage_offset())
-    else:
-        t = qkv.view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
-    q, k, v = (t.contiguous() if backend == "explicit" else t).unbind(0)  # (b, H, n, D) each
     q, k = view.q_norm(q), view.k_norm(k)
-    importance = fused = None
+    drop, importance, fused = view.attn_drop if view.training else 0.0, None, None
     bias = None if backend == "explicit" else ops.key_bias(keep, log_size, q.dtype)  # (b, n) or None
-    bias = None if bias is None else bias.view(b, 1, 1, n)
+    bias = None if bias is None else bias.view(bias.shape[0], 1, 1, -1)  # (b, 1, 1, n)
     if backend == "lse":
         fused = ops.attention_with_lse(q, k, v, view.scale, bias)
     if fused is not None:
         o, lse = fused  # (b, H, n, D), (b, H, n)
         importance = ops.importance_from_lse(q, k, lse, view.scale, bias, rows, cfg.importance)  # (b, n)
     elif backend == "sdpa":
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=view.attn_drop if view.training
-                                           else 0.0, scale=view.scale)  # (b, H, n, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop, scale=view.scale)
     else:
-        o, probs = ops.masked_attention(q, k, v, view.scale, keep, log_size, soft,
-                                        view.attn_drop if view.training else 0.0, cfg.mask_grad, plan.amp)
+        o, probs = ops.soft_masked_attention(q, k, v, view.scale, keep, log_size, drop, cfg.mask_grad) \
+            if keep is not None and keep.requires_grad else ops.masked_attention(q, k, v, view.scale, keep,
+                                                                                 log_size, drop, plan.amp)
         if cfg.needs_importance:
             importance = ops.importance_scores(probs, rows, cfg.importance)  # (b, n)
-    metric = ops.head_sum(k) if cfg.needs_metric else None  # (b, n, D)
-    if plan.views and o.stride() == (n * H * D, D, H * D, 1):  # a fused kernel's (b, n, H, D) layout: a view
-        return o.as_strided((b, n, H * D), (n * H * D, H * D, 1), o.storage_offset()), importance, metric
-    return o.transpose(1, 2).reshape(b, n, H * D), importance, metric
+    return o, importance, ops.head_sum(k) if cfg.needs_metric else None  # (b, H, n, D), (b, n), (b, n, D)
+
+
+def backend_for(plan: Plan, view: BlockView, keep: Tensor | None) -> str:
+    """The plan's attention backend, or explicit attention where the family forbids fused kernels or the mask
+    needs eq. 6's gradient."""
+    return plan.attention if view.fused and not (keep is not None and keep.requires_grad) else "explicit"
+
+
+def split_heads(plan: Plan, qkv: Tensor, heads: int, contiguous: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v (b, H, n, D) from projections (b, n, 3 * H * D), as timm splits them (reshape and permute; one
+    strided view where the plan allows); ``contiguous``: one copy of all three (explicit attention reads them
+    whole)."""
+    b, n, C3 = qkv.shape
+    D = C3 // (3 * heads)
+    if plan.views and qkv.stride(2) == 1:
+        t = qkv.as_strided((3, b, heads, n, D), (heads * D, qkv.stride(0), D, qkv.stride(1), 1), qkv.storage_offset())
+    else:
+        t = qkv.view(b, n, 3, heads, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
+    return (t.contiguous() if contiguous else t).unbind(0)
+
+
+def merge_heads(plan: Plan, o: Tensor) -> Tensor:
+    """Attention output (b, H, n, D) as token rows (b, n, H * D); a fused kernel's (b, n, H, D) layout as a view."""
+    b, H, n, D = o.shape
+    if plan.views and o.stride() == (n * H * D, D, H * D, 1):
+        return o.as_strided((b, n, H * D), (n * H * D, H * D, 1), o.storage_offset())
+    return o.transpose(1, 2).reshape(b, n, H * D)
 
 
 def attend(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, state: TokenState
            ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Attention on the token layout: train mode's (B, N, ...) batch, or eval's rows (T, ...) as a padded batch
-    (a view when nothing is padded), in groups of images of similar token counts where the plan says so.
+    """Attention on the token layout: train mode's (B, N, ...) batch, eval's rows (T, ...) as the batch when
+    nothing is padded, else gathered into padded groups of images (:func:`attention_in_groups`).
 
     Returns:
         The output like qkv, (B, N, H * D) or (T, H * D); the importance (B, N) and the metric (B, N, D), padded.
     """
     L = state.layout
-    if plan.train:
-        ls = state.size.log() if state.merged_once else None
-        return attention(plan, view, cfg, qkv, state.keep, ls, state.keep)
-    qkv = L.pad(qkv)  # (B, N, 3 * H * D)
+    if plan.train or L.counts is None:  # the rows are the batch
+        B, N = L.batch, L.length
+        keep = state.keep if plan.train else None
+        ls = state.size.view(B, N).log() if state.merged_once else None
+        backend = backend_for(plan, view, keep)
+        q, k, v = split_heads(plan, qkv.view(B, N, -1), view.heads, backend == "explicit")  # (B, H, N, D) each
+        o, importance, metric = attention(plan, view, cfg, backend, q, k, v, keep, ls, keep)
+        return merge_heads(plan, o).view(*qkv.shape[:-1], -1), importance, metric
     ls = L.pad(state.size).log() if state.merged_once else None  # (B, N); -inf at padding (size 0)
-    real = L.real  # (B, N) or None
-    keep = None if real is None or ls is not None else real.to(state.size.dtype)  # keys to mask (padding)
+    keep = None if ls is not None else L.real.to(state.size.dtype)  # padding keys to mask
     groups = None
-    if plan.group_macs is not None and L.counts is not None:
+    if plan.group_macs is not None:
         groups = plan_buckets(L.counts, 2.0 * view.heads * view.head_dim, plan.group_macs, plan.max_buckets)
-    if groups is None:
-        o, importance, metric = attention(plan, view, cfg, qkv, keep, ls, real)
-        return L.take(o), importance, metric
-    B, N = L.batch, L.length
-    o = qkv.new_zeros(B, N, view.heads * view.head_dim)  # (B, N, H * D)
-    importance = qkv.new_zeros(B, N, dtype=state.size.dtype) if cfg.needs_importance else None
-    metric = qkv.new_zeros(B, N, view.head_dim) if cfg.needs_metric else None
+    return attention_in_groups(plan, view, cfg, qkv, keep, ls, L, groups or [(None, L.length)])
+
+
+def attention_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, keep: Tensor | None,
+                        log_size: Tensor | None, layout: Layout, groups: list) -> tuple:
+    """Attention on the rows (T, 3 * H * D) of a padded eval batch, in groups of images ``[(image indices or None
+    for all, length), ...]`` (:func:`plan_buckets`), each padded to its longest image: a padding position repeats
+    the image's last row and is masked. q, k and v are gathered head by head, and the output put back, straight
+    between the rows and the (b, H, n, D) heads.
+
+    Returns:
+        The output rows (T, H * D), the importance (B, N) and the metric (B, N, D).
+    """
+    (B, N), (T, _), H, D = (layout.batch, layout.length), qkv.shape, view.heads, view.head_dim
+    out = qkv.new_empty((T + 1) * H, D)  # each row's heads; row T takes the padding's outputs
+    heads = positions(plan, 3 * H, qkv.device)  # (3 H,) the heads of a row's q | k | v
+    backend, importance, metric = backend_for(plan, view, keep), None, None
     for sel, n in groups:
-        idx = torch.tensor(sel, device=qkv.device)  # (b,)
-        full = all(L.counts[i] == n for i in sel)  # no padding in this group
-        r = None if full else real.index_select(0, idx)[:, :n]  # (b, n)
-        og, ig, mg = attention(plan, view, cfg, qkv.index_select(0, idx)[:, :n],
-                               None if keep is None or full else r.to(keep.dtype),
-                               None if ls is None else ls.index_select(0, idx)[:, :n], r)
-        for whole, part in ((o, og), (importance, ig), (metric, mg)):
-            if part is not None:
-                whole[:, :n].index_copy_(0, idx, ops.cast(part, whole.dtype))
-    return L.take(o), importance, metric
+        idx = None if sel is None else torch.tensor(sel, device=qkv.device)  # (b,)
+        at, real = ((layout.at(), layout.real) if idx is None else
+                    (layout.at().index_select(0, idx)[:, :n], layout.real.index_select(0, idx)[:, :n]))  # (b, n)
+        full = idx is not None and all(layout.counts[i] == n for i in sel)  # a group without padding
+        rows = at.view(1, -1, 1, n) * (3 * H) + heads.view(3, 1, H, 1)  # (3, b, H, n) rows of (T * 3 H, D)
+        q, k, v = qkv.view(-1, D).index_select(0, rows.view(-1)).view(3, *rows.shape[1:], D).unbind(0)
+        ls = None if log_size is None else log_size if idx is None else log_size.index_select(0, idx)[:, :n]
+        o, imp, met = attention(plan, view, cfg, backend, q, k, v, None if keep is None or full else real.to(
+            keep.dtype), ls, None if full else real)  # (b, H, n, D), (b, n), (b, n, D)
+        at = at.masked_fill(~real, T)  # (b, n) padding's outputs to row T
+        if o.is_contiguous():  # head by head into the rows
+            out.index_copy_(0, (at.view(-1, 1, n) * H + heads[:H].view(1, H, 1)).view(-1), o.view(-1, D))
+        else:  # a fused kernel's (b, n, H, D) layout: whole rows
+            out.view(T + 1, H * D).index_copy_(0, at.view(-1), merge_heads(plan, o).reshape(-1, H * D))
+        if idx is None:
+            importance, metric = imp, met
+            continue
+        if imp is not None:
+            importance = imp.new_zeros(B, N) if importance is None else importance
+            importance[:, :n].index_copy_(0, idx, imp)
+        if met is not None:
+            metric = met.new_zeros(B, N, D) if metric is None else metric
+            metric[:, :n].index_copy_(0, idx, met)
+    return out.view(T + 1, H * D)[:T], importance, metric
 
 
 def block(plan: Plan, view: BlockView, blk: nn.Module, x: Tensor, state: TokenState, cfg: ReduceConfig,
@@ -226,10 +268,11 @@ def block(plan: Plan, view: BlockView, blk: nn.Module, x: Tensor, state: TokenSt
     y = view.norm1(x)  # (B, N, C) or (T, C)
     o, importance, metric = attend(plan, view, cfg, view.qkv(y), state)  # (..., H * D)
     o = view.head_norm(o)
-    x = x + view.out(o if view.gate is None else o * view.gate(y))
+    o = view.out(o if view.gate is None else o * view.gate(y))
+    x = x + o if plan.grad else x.add_(o)  # without gradients in place: x is the block's own
     x, state, step = reduce_step(x, state, cfg, plan, layer, importance, metric,
                                  getattr(blk, "merge_threshold", None), getattr(blk, "prune_threshold", None), rate)
-    return x + view.mlp(x), state, step
+    return x + view.mlp(x) if plan.grad else x.add_(view.mlp(x)), state, step
 
 
 def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:

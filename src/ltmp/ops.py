@@ -68,47 +68,46 @@ def key_bias(keep: Tensor | None, log_size: Tensor | None, dtype: torch.dtype) -
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None, log_size: Tensor | None,
-                     soft: bool = False, dropout: float = 0.0, mask_grad: str = "secant", amp: bool = False
-                     ) -> tuple[Tensor, Tensor]:
-    """Attention with a multiplicative key mask and proportional attention, eq. 5-7.
+                     dropout: float = 0.0, amp: bool = False) -> tuple[Tensor, Tensor]:
+    """Attention with masked keys and proportional attention, eq. 5-7, for hard masks (eval; train mode's
+    straight-through masks: :func:`soft_masked_attention`).
 
     ``S_ij = exp(A_ij) m_j / sum_k exp(A_ik) m_k`` (eq. 6) with ``A = QK^T / sqrt(d) + log(size)`` (eq. 7 plus
-    ToMe's proportional attention): attention with the masked keys removed, no eps leaking probability to them.
-    With ``soft`` (train mode) the straight-through mask multiplies, so gradients reach it (:class:`MaskedSoftmax`);
-    otherwise it is the equivalent -inf bias and one softmax. The softmax runs in at least float32 (``amp``:
-    autocast runs the matmuls in lower precision).
+    ToMe's proportional attention) is attention with the masked keys removed: a -inf bias and one softmax, in at
+    least float32 (``amp``: autocast runs the matmuls in lower precision, the bias is added after them).
 
     Args:
         q, k, v: (B, H, N, D). scale: multiplier of ``q k^T``.
-        keep: (B, N) 0/1 (straight-through) mask of surviving keys, or None when all survive.
-        log_size: (B, N) log of the token sizes, or None when all sizes are 1.
+        keep: (B, N) 0/1 mask of surviving keys, or None. log_size: (B, N) log token sizes, or None (all 1).
 
     Returns:
         out (B, H, N, D) and the probabilities S (B, H, N, N), in at least float32.
     """
     B, H, N, D = q.shape
-    if soft:
-        attn = cast((q * scale) @ k.transpose(-2, -1), wide(q.dtype))  # (B, H, N, N)
-        if log_size is not None:
-            attn = attn + log_size[:, None, None, :].to(attn.dtype)
-        probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad)  # (B, H, N, N)
-        p = F.dropout(probs, dropout) if dropout else probs
-        return p.to(v.dtype) @ v, probs  # (B, H, N, D), (B, H, N, N)
     q3, k3, v3 = (t.reshape(B * H, N, D) for t in (q, k, v))  # (B * H, N, D) each
     bias = key_bias(keep, log_size, wide(q.dtype))  # (B, N) or None
-    if amp or q.dtype != wide(q.dtype):  # low-precision scores: scale and bias in float32
-        attn = cast(torch.bmm(q3, k3.transpose(1, 2)), wide(q.dtype)) * scale  # (B * H, N, N)
+    if bias is None or amp or q.dtype != wide(q.dtype):  # the scale folded into the matmul (beta 0: no input)
+        attn = cast(torch.baddbmm(q3.new_empty(()), q3, k3.transpose(1, 2), beta=0, alpha=scale), wide(q.dtype))
         if bias is not None:
-            attn = (attn.view(B, H, N, N) + bias.view(B, 1, 1, N)).view(B * H, N, N)
-    elif bias is None:
-        attn = torch.baddbmm(q3.new_empty(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)  # (B * H, N, N);
-        #      the scale folded into the matmul (one call; with beta 0 the empty input is not read)
-    else:  # scale and bias folded into one call; each head's copy of the bias
+            attn = (attn.view(B, H, N, N) + bias.view(B, 1, 1, N)).view(B * H, N, N)  # (B * H, N, N)
+    else:  # scale and bias in one call, each head with its copy of the bias
         attn = torch.baddbmm(torch.cat([bias.view(B, 1, N)] * H, 1).view(B * H, 1, N), q3, k3.transpose(1, 2),
                              alpha=scale)  # (B * H, N, N)
     probs = attn.softmax(dim=-1)  # (B * H, N, N)
     p = F.dropout(probs, dropout) if dropout else probs
     return torch.bmm(cast(p, v.dtype), v3).view(B, H, N, D), probs.view(B, H, N, N)
+
+
+def soft_masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor, log_size: Tensor | None,
+                          dropout: float = 0.0, mask_grad: str = "secant") -> tuple[Tensor, Tensor]:
+    """:func:`masked_attention` with a straight-through mask ``keep`` (B, N) (train mode): the mask multiplies in
+    eq. 6, so gradients reach it and the thresholds behind it (:class:`MaskedSoftmax`); the same forward."""
+    attn = cast((q * scale) @ k.transpose(-2, -1), wide(q.dtype))  # (B, H, N, N)
+    if log_size is not None:
+        attn = attn + log_size[:, None, None, :].to(attn.dtype)
+    probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad)  # (B, H, N, N)
+    p = F.dropout(probs, dropout) if dropout else probs
+    return p.to(v.dtype) @ v, probs  # (B, H, N, D), (B, H, N, N)
 
 
 #: Forms of eq. 6's gradient with respect to a *removed* key's mask (see :class:`MaskedSoftmax`).

@@ -141,7 +141,7 @@ class Layout:
     def __init__(self, batch: int, length: int, counts: list[int] | None = None, real: Tensor | None = None):
         self.batch, self.length, self.counts = batch, length, counts
         self.real = real  # (B, N) bool, a real token at each position (None: dense)
-        self._index = None
+        self._index = self._at = None
 
     @property
     def rows(self) -> int:
@@ -160,6 +160,12 @@ class Layout:
             return rows.view(B, N, *rows.shape[1:])
         out = rows.new_zeros(B * N, *rows.shape[1:])
         return out.index_copy_(0, self.index(), rows).view(B, N, *rows.shape[1:])  # (B, N, ...)
+
+    def at(self) -> Tensor:
+        """(B, N) the row of each position; a padding position gets its image's last row (callers mask it)."""
+        if self._at is None:
+            self._at = (self.real.view(-1).cumsum(0) - 1).view(self.batch, self.length)
+        return self._at
 
     def take(self, padded: Tensor) -> Tensor:
         """The rows (T, ...) of a padded batch (B, N, ...)."""
@@ -229,11 +235,9 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
         blocked = constant(plan, ("blocked", N, cfg.num_prefix, metric.device), lambda: ops.blocked_pairs(patches))
     else:
         mergeable = alive & patches  # (B, N)
-        if not in_order:  # the survivors first, in order (distinct keys: any sort gives the same order)
-            pos = positions(plan, N, alive.device)  # (N,)
-            order = torch.where(alive, pos, pos + N).topk(N, dim=1, largest=False).indices  # (B, N)
-            metric = metric.gather(1, order[..., None].expand(metric.shape))  # (B, N, D)
-            mergeable = mergeable.gather(1, order)  # (B, N)
+        if not in_order:  # the survivors first, in order
+            order = _survivors_first(plan, alive)  # (B, N)
+            metric, mergeable = metric.gather(1, order[..., None].expand(metric.shape)), mergeable.gather(1, order)
         blocked = ops.blocked_pairs(mergeable)  # (B, Na, Nb)
     score, j = ops.match(metric, blocked, pad=plan.symbolic, views=plan.views)  # (B, Na) each; -inf: no merge
     src = constant(plan, ("even", B, N, metric.device), lambda: torch.arange(0, N, 2, device=metric.device).expand(
@@ -299,6 +303,14 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
     return drop, cand, soft
 
 
+def _survivors_first(plan: Plan, alive: Tensor) -> Tensor:
+    """The positions (B, N) of the survivors ``alive`` (B, N) in order, then the others (train mode and ltpm,
+    whose survivors are not the first positions). Distinct keys: any sort gives this order."""
+    N = alive.shape[1]
+    pos = positions(plan, N, alive.device)  # (N,)
+    return torch.where(alive, pos, pos + N).topk(N, dim=1, largest=False).indices  # (B, N)
+
+
 def _patches(plan: Plan, n: int, num_prefix: int, device: torch.device) -> Tensor:
     """(n,) bool, True past the prefix tokens."""
     return constant(plan, ("patches", n, num_prefix, device), lambda: torch.arange(n, device=device) >= num_prefix)
@@ -319,6 +331,14 @@ def _earlier(plan: Plan, scores: Tensor) -> Tensor:
     """(M, M) bool, [i, j]: position j comes before position i (:func:`ltmp.ops.kbest`)."""
     n, device = scores.shape[1], scores.device
     return constant(plan, ("earlier", n, device), lambda: torch.ones(n, n, dtype=torch.bool, device=device).tril(-1))
+
+
+def _static_counts(cfg: ReduceConfig, merged: bool, pruned: bool, n: int, rate: int) -> tuple[int, int]:
+    """The tokens a fixed rate merges and prunes in every image, from the ``n`` entering (eval: static shapes)."""
+    n_merged = tome_k(rate, n, cfg.num_prefix) if merged else 0
+    n_cand = n - n_merged - cfg.num_prefix
+    n_pruned = min(rate, n_cand) - int(cfg.keep_one and 0 < n_cand <= rate) if pruned else 0
+    return n_merged, n_pruned
 
 
 def tome_k(rate: int, n: int, num_prefix: int) -> int:
@@ -351,10 +371,8 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
         merge_threshold, prune_threshold: learned thresholds (scalars); rate: a fixed rate's tokens here.
     """
     L = state.layout
-    if plan.train:  # the survivors (None: every token)
-        alive = None if state.keep is None else state.keep > 0.5  # (B, N)
-    else:
-        alive = L.real  # (B, N) the real rows (None: every position)
+    # the survivors (B, N): train mode's kept tokens, eval's real rows (None: every position)
+    alive = (None if state.keep is None else state.keep > 0.5) if plan.train else L.real
     in_order = not plan.train
     decisions = []
     for op in cfg.ops:
@@ -439,26 +457,21 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
     merge = next((d for d in decisions if isinstance(d, Merge)), None)
     drop = next((d[0] for d in decisions if not isinstance(d, Merge)), None)
     if plan.static:  # fixed rates: every image removes the same number of tokens
-        n_merged = 0 if merge is None else tome_k(rate, N, P)
-        n_cand = N - n_merged - P
-        n_pruned = 0 if drop is None else min(rate, n_cand) - int(cfg.keep_one and 0 < n_cand <= rate)
+        n_merged, n_pruned = _static_counts(cfg, merge is not None, drop is not None, N, rate)
         n_new = N - n_merged - n_pruned
         counts, result = None, StepResult(merged=n_merged, pruned=n_pruned, kept=n_new - P, kept_frac=n_new - P)
         T_new = B * n_new
     else:
         count_t = alive.sum(1)  # (B,)
         counts = count_t.tolist()  # the host read
-        if plan.symbolic:
-            for c in counts:
-                torch._check(c >= 0)
-                torch._check(c <= N)
+        for c in counts if plan.symbolic else ():  # an export's symbolic counts: bounds for its slices
+            torch._check(c >= 0), torch._check(c <= N)
         kept = [c - P for c in counts]
         result = StepResult(merged=0 if merge is None else merge.hard, pruned=0 if drop is None else drop,
                             kept=kept, kept_frac=kept)
         n_new, T_new = max(counts), sum(counts)
     flat = alive.view(-1)  # (B * N,)
-    slot = flat.cumsum(0).masked_fill_(~flat, 0).view(B, N)  # (B, N) each survivor's new row from 1; 0 (cut
-    #                                                            off) for the others
+    slot = flat.cumsum(0).masked_fill_(~flat, 0).view(B, N)  # (B, N) survivors' new rows from 1, 0 (cut) others
     if merge is not None:  # a merged token joins its target's row (row 0 if the target was pruned)
         slot.scatter_add_(1, merge.src, slot.gather(1, merge.dst).masked_fill_(merge.stays, 0))
     average = state.merged_once or merge is not None  # else every size is 1 and each new row receives one row
