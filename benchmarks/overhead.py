@@ -18,8 +18,9 @@ import torch
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model
 from ltmp.bench import compare_models, paired_ratio
+from ltmp.config import ReduceConfig
 from ltmp.engine import plan
-from ltmp.step import Layout, ReduceConfig, TokenState, reduce_step
+from ltmp.step import Layout, TokenState, reduce_step
 
 
 def per_call_us(fn, n: int) -> float:

@@ -216,8 +216,8 @@ def test_attention_pool_heads_weigh_merged_tokens_by_size():
     survivor stands for: a merged token of size s counts s times, removed and padding tokens not at all."""
     from timm.layers import AttentionPoolLatent
 
+    from ltmp.adapters import pool_bias
     from ltmp.adapters.hf import siglip_pool
-    from ltmp.engine import pool_bias
 
     torch.manual_seed(0)
     x = torch.randn(1, len(SIZES), 48, dtype=torch.float64)
@@ -233,7 +233,7 @@ def test_attention_pool_heads_weigh_merged_tokens_by_size():
 
 
 def test_mean_pool_weighs_merged_tokens_by_size():
-    from ltmp.engine import mean_pool
+    from ltmp.adapters import mean_pool
 
     x = torch.randn(1, len(SIZES), 5, dtype=torch.float64)
     got = mean_pool(x, _state(SIZES, KEEP), 1)

@@ -8,8 +8,8 @@ import warnings
 from pathlib import Path
 
 from ._version import __version__
+from .config import FIXED_RATE, LEARNED
 from .errors import LtmpError
-from .step import FIXED_RATE, LEARNED
 
 
 class CLIError(LtmpError):

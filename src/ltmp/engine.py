@@ -18,8 +18,6 @@ needed, and a fused kernel's log-sum-exp plus one more ``q k^T`` pass for the im
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -27,8 +25,10 @@ from torch import Tensor, nn
 
 from . import ops
 from .adapters import BlockView
+from .config import ReduceConfig
+from .export import is_exporting
 from .record import Record
-from .step import Layout, Plan, ReduceConfig, StepResult, TokenState, positions, reduce_step
+from .step import Layout, Plan, StepResult, TokenState, positions, reduce_step
 
 #: Device-dependent speed choices (none changes results), with the measurement behind each value. A device type not
 #: listed takes "default". ``ReduceConfig.execution`` overrides them per model.
@@ -43,32 +43,6 @@ TUNING: dict[str, dict] = {
     "cuda": dict(group_macs=None, max_buckets=1, importance_from_lse=True),
     "default": dict(group_macs=None, max_buckets=1, importance_from_lse=False),
 }
-
-_EXPORTING = False  # set by :func:`exporting` (ltmp.export) while torch.export traces a patched model
-
-
-@contextlib.contextmanager
-def exporting():
-    """Mark a torch.export trace of a patched model for :func:`is_exporting` (``ltmp.export`` does)."""
-    global _EXPORTING
-    before, _EXPORTING = _EXPORTING, True
-    try:
-        yield
-    finally:
-        _EXPORTING = before
-
-
-#: torch.compiler.is_exporting tells export from compile only from torch 2.14: before, Dynamo replaced the call by
-#: a constant True, also under torch.compile (pytorch/pytorch#176347, fixed by #176499).
-_TORCH_IS_EXPORTING_EXACT = torch.torch_version.TorchVersion(torch.__version__) >= (2, 14)
-
-
-def is_exporting() -> bool:
-    """True while torch.export traces the model: inside :func:`exporting`, or where
-    ``torch.compiler.is_exporting`` says so on torch >= 2.14."""
-    fn = getattr(torch.compiler, "is_exporting", None)
-    return _EXPORTING or (_TORCH_IS_EXPORTING_EXACT and fn is not None and bool(fn()))
-
 
 def tracing() -> bool:
     """torch.compile, torch.export or torch.jit traces the model."""
@@ -327,26 +301,3 @@ def _padded(state: TokenState, p: Plan) -> TokenState:
     L = state.layout
     keep = None if L.real is None else L.real.to(state.size.dtype)
     return TokenState(size=L.pad(state.size), layout=L, keep=keep, merged_once=state.merged_once)
-
-
-def log_size(state: TokenState) -> Tensor | None:
-    """log of the (B, N) token sizes for proportional attention (ToMe), or None while all sizes are 1."""
-    return state.size.log() if state.merged_once else None
-
-
-def mean_pool(x: Tensor, state: TokenState, skip: int) -> Tensor:
-    """The mean of the surviving tokens from position ``skip`` on, each weighted by its size (the patches it
-    stands for), so that a merged token counts as the patches it replaced: (B, N, C) -> (B, C). Equal to the plain
-    mean over the patch tokens of an unreduced model."""
-    w = state.size if state.keep is None else state.size * (state.keep > 0.5)  # (B, N)
-    w = w[:, skip:]
-    return (x[:, skip:] * w[..., None].to(x.dtype)).sum(1) / w.sum(1, keepdim=True).to(x.dtype)  # (B, C)
-
-
-def pool_bias(state: TokenState, dtype: torch.dtype) -> Tensor | None:
-    """The additive key bias (B, N) of an attention-pool head over the surviving tokens: log size (a merged token
-    weighs as the patches it replaced, as in proportional attention) and -inf at removed or padded tokens; None
-    when no token was reduced."""
-    keep = None if state.keep is None else (state.keep > 0.5).to(dtype)
-    return ops.key_bias(keep, log_size(state), dtype)
-

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import adapter_for
+from .config import METHODS
 from .errors import LtmpError
-from .step import METHODS
 
 
 @dataclasses.dataclass

@@ -17,8 +17,8 @@ from torch import nn
 
 from . import ops
 from .adapters import Adapter, adapter_for
+from .config import MERGE_GRADS, METHODS, ReduceConfig
 from .errors import LtmpError
-from .step import MERGE_GRADS, METHODS, ReduceConfig
 
 THRESHOLD_NAMES = ("merge_threshold", "prune_threshold")
 

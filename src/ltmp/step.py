@@ -26,68 +26,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-
-#: The order of reduction operations of each method, and whether they use learned thresholds or a fixed rate.
-METHODS: dict[str, tuple[tuple[str, ...], str]] = {
-    "ltmp": (("merge", "prune"), "threshold"),  # learned thresholds, merge then prune (the paper's default)
-    "ltpm": (("prune", "merge"), "threshold"),  # learned thresholds, prune then merge (Table 4)
-    "ltm": (("merge",), "threshold"),  # learned thresholds, merging only (Table 5)
-    "ltp": (("prune",), "threshold"),  # learned thresholds, pruning only (Table 5)
-    "tome": (("merge",), "topk"),  # ToMe: r tokens merged per layer
-    "topk-prune": (("prune",), "topk"),  # k least important tokens pruned per layer
-    "topk-mp": (("merge", "prune"), "topk"),  # k merged and k pruned per layer
-}
-#: Methods with learned thresholds (``ltmp train`` trains them; their thresholds files load them).
-LEARNED = tuple(m for m, (_, kind) in METHODS.items() if kind == "threshold")
-#: Fixed-rate methods (ToMe's ``r``, the top-k baselines' ``k``).
-FIXED_RATE = tuple(m for m, (_, kind) in METHODS.items() if kind == "topk")
-#: How merge thresholds learn in train mode (``ReduceConfig.merge_grad``).
-MERGE_GRADS = ("average", "mask")
-
-
-@dataclasses.dataclass
-class Execution:
-    """Speed choices that do not change results; None takes the device's value from ``ltmp.engine.TUNING``."""
-
-    max_buckets: int | None = None  # attention of a padded eval batch in at most this many groups (1: never)
-    group_macs: float | None = None  # the cost of one more attention group, in multiply-accumulates
-    importance_from_lse: bool | None = None  # importance from a fused kernel's log-sum-exp (ops.importance_from_lse)
-
-
-@dataclasses.dataclass
-class ReduceConfig:
-    """What the reduction step does; shared by all blocks of a patched model."""
-
-    method: str = "ltmp"  # a key of METHODS
-    tau: float = 0.1  # temperature of the sigmoid surrogate, eq. 2
-    importance: str = "mean"  # "mean": mean column attention (eq. 17); "cls": class attention (eq. 16)
-    num_prefix: int = 1  # prefix tokens (class, distillation, registers) at the front; never reduced
-    keep_one: bool = False  # pruning always leaves one patch token (models that pool patch tokens)
-    rate: tuple[int, ...] | None = None  # fixed-rate methods: tokens per layer (r for ToMe, k for top-k)
-    mask_grad: str = "secant"  # train mode: bounded form of eq. 6's gradient to removed keys' masks (ops.MASK_GRADS)
-    merge_grad: str = "average"  # train mode: merge thresholds learn through the masks of eq. 5-7 and the merged
-    #                              averages ("average"), or through the masks only ("mask", the reference code)
-    trace_source: bool = False  # carry a map of which patches each token covers (for viz)
-    capture: list | None = None  # analysis: each decision appends its scores and candidates (a Captured)
-    fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
-    #                                         prunes these fractions of the block's candidates (fit_threshold)
-    execution: Execution = dataclasses.field(default_factory=Execution)
-
-    @property
-    def ops(self) -> tuple[str, ...]:
-        return METHODS[self.method][0]
-
-    @property
-    def learned(self) -> bool:
-        return METHODS[self.method][1] == "threshold"
-
-    @property
-    def needs_importance(self) -> bool:
-        return "prune" in self.ops
-
-    @property
-    def needs_metric(self) -> bool:
-        return "merge" in self.ops
+from .config import ReduceConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +195,7 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
                                     None if importance is None else importance.gather(1, src).detach().cpu()))
     if cfg.learned:
         if cfg.fit is not None:
-            fit_threshold(threshold, score[cand], cfg.fit[0], largest=True)
+            _fit(threshold, score[cand], cfg.fit[0], largest=True)
         mask = ops.threshold_mask(score, threshold, cfg.tau, soft=plan.train)  # (B, Na) eq. 1-2 (0 outside cand)
     else:  # k = min(rate, |A|, |B|) per image
         if plan.static:
@@ -285,7 +224,7 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
     soft = None
     if cfg.learned:
         if cfg.fit is not None:
-            fit_threshold(threshold, importance[cand], cfg.fit[1], largest=False)
+            _fit(threshold, importance[cand], cfg.fit[1], largest=False)
         kept = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) eq. 1-2
         drop = cand & ~(kept if kept.dtype == torch.bool else kept.detach() > 0.5)
         soft = None if kept.dtype == torch.bool else kept
@@ -301,6 +240,12 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
             soft = soft + (spare & drop).to(soft.dtype)
         drop = drop & ~spare
     return drop, cand, soft
+
+
+def _fit(*args, **kwargs) -> None:
+    from .calibrate import fit_threshold  # calibration (cfg.fit): ltmp.calibrate sets thresholds from one batch
+
+    fit_threshold(*args, **kwargs)
 
 
 def _survivors_first(plan: Plan, alive: Tensor) -> Tensor:
@@ -345,18 +290,6 @@ def tome_k(rate: int, n: int, num_prefix: int) -> int:
     """Tokens a fixed rate merges from ``n`` tokens: at most ``rate``, and at most set A's and set B's size past
     the prefix (the even and the odd positions)."""
     return min(rate, len(range(num_prefix + num_prefix % 2, n, 2)), n // 2 - num_prefix // 2)
-
-
-@torch.no_grad()
-def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: bool) -> None:
-    """Set a threshold so that the given fraction of ``scores`` passes it: the largest scores for merging (eq. 1:
-    merge where ``score > threshold``), the smallest for pruning. Training-free calibration (not in the paper): one
-    batch's quantiles stand in for learned thresholds."""
-    if fraction <= 0 or scores.numel() == 0:
-        threshold.fill_(math.inf if largest else -math.inf)
-        return
-    q = 1.0 - fraction if largest else fraction
-    threshold.fill_(torch.quantile(scores.detach().double().flatten(), min(max(q, 0.0), 1.0)).item())
 
 
 def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor | None,

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .adapters import adapter_for
+from .config import LEARNED
 from .errors import LtmpError
 from .patching import THRESHOLD_NAMES, blocks, patch
-from .step import LEARNED
 
 FORMAT = "ltmp-thresholds"
 VERSION = "1"

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 from . import data as ldata
 from .analysis import ALLOCATION_IMAGES, allocation
 from .calibrate import calibrate, calibration_batch, settle, shift_to_budget
+from .config import LEARNED
 from .errors import LtmpError
 from .evaluate import evaluate
 from .flops import budget_loss_value, vit_spec
@@ -31,7 +32,6 @@ from .patching import THRESHOLD_NAMES, blocks, patch, score_ranges
 from .record import mean_r_flops, r_flops, stats
 from .runtime import amp_context, amp_dtype, compile_model, create_model, pick_device, require_classifier
 from .runtime import logits as logits_of
-from .step import LEARNED
 from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
 
 

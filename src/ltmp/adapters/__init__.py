@@ -11,11 +11,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 
+from .. import ops
 from ..errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from ..step import TokenState
 
 
 def identity(t: Tensor) -> Tensor:
@@ -167,3 +172,25 @@ def adapter_for(model: nn.Module, check: bool = False) -> Adapter:
     if check:
         found.check(model)
     return found
+
+
+def log_size(state: TokenState) -> Tensor | None:
+    """log of the (B, N) token sizes for proportional attention (ToMe), or None while all sizes are 1."""
+    return state.size.log() if state.merged_once else None
+
+
+def mean_pool(x: Tensor, state: TokenState, skip: int) -> Tensor:
+    """The mean of the surviving tokens from position ``skip`` on, each weighted by its size (the patches it
+    stands for), so that a merged token counts as the patches it replaced: (B, N, C) -> (B, C). Equal to the plain
+    mean over the patch tokens of an unreduced model."""
+    w = state.size if state.keep is None else state.size * (state.keep > 0.5)  # (B, N)
+    w = w[:, skip:]
+    return (x[:, skip:] * w[..., None].to(x.dtype)).sum(1) / w.sum(1, keepdim=True).to(x.dtype)  # (B, C)
+
+
+def pool_bias(state: TokenState, dtype: torch.dtype) -> Tensor | None:
+    """The additive key bias (B, N) of an attention-pool head over the surviving tokens: log size (a merged token
+    weighs as the patches it replaced, as in proportional attention) and -inf at removed or padded tokens; None
+    when no token was reduced."""
+    keep = None if state.keep is None else (state.keep > 0.5).to(dtype)
+    return ops.key_bias(keep, log_size(state), dtype)

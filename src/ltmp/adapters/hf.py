@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, identity, linear_macs, norm_macs
+from . import Adapter, BlockView, conv_macs, identity, linear_macs, mean_pool, norm_macs, pool_bias
 
 #: class name -> the head on top of the backbone ("" for a backbone itself)
 HEADS = {
@@ -155,7 +155,7 @@ class HFAdapter(Adapter):
                  **kwargs):
         from transformers.modeling_outputs import ImageClassifierOutput
 
-        from ..engine import encode, mean_pool
+        from ..engine import encode
 
         for flag in ("output_attentions", "output_hidden_states"):
             if kwargs.pop(flag, None) or getattr(model.config, flag, False):
@@ -202,7 +202,6 @@ def _backbone_output(bb: nn.Module, x: Tensor, state):
     """The backbone's own output object from the tokens leaving the last block."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    from ..engine import pool_bias
 
     name = _name(bb)
     if name == "CLIPVisionModel":  # the final norm on the class token only

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, linear_macs, norm_macs
+from . import Adapter, BlockView, conv_macs, linear_macs, mean_pool, norm_macs
 
 SUPPORTED = ("open_clip VisionTransformer (the visual tower: patch model.visual) with ResidualAttentionBlock and "
              "'tok' or 'avg' pooling")
@@ -137,7 +137,7 @@ class OpenClipAdapter(Adapter):
         return (0.0, post + proj) if tower.final_ln_after_pool else (post, proj)
 
     def forward(self, model: nn.Module, x: Tensor):
-        from ..engine import encode, mean_pool
+        from ..engine import encode
 
         tower = _tower(model)
         x, state = encode(model, tower._embeds(x))  # (B, N, C)

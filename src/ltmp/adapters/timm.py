@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, identity, linear_macs, norm_macs
+from . import Adapter, BlockView, conv_macs, identity, linear_macs, mean_pool, norm_macs, pool_bias
 
 SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
              "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*, vit_*_siglip_*)")
@@ -122,7 +122,6 @@ class TimmAdapter(Adapter):
 
     def head(self, model: nn.Module, x: Tensor, state) -> Tensor:
         """timm's ``forward_head`` over the surviving tokens (class and distillation tokens never move)."""
-        from ..engine import mean_pool, pool_bias
 
         pool = getattr(model, "attn_pool", None)
         if pool is not None:
