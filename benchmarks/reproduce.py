@@ -164,7 +164,7 @@ class Jobs:
             return None
         method = "ltp" if other["method"] == "ltp" else "ltmp"
         path = self.root / "calib" / f"shared-like-{other['name']}.safetensors"
-        if self.saved is None and not path.exists():
+        if self.saved is None and not path.exists() and f"eval/shared-like-{other['name']}" not in self.before:
             path.parent.mkdir(parents=True, exist_ok=True)
             if not self._do(f"calibrate like {other['name']}", [
                     "calibrate", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--method", method, "--match",
@@ -184,7 +184,7 @@ class Jobs:
         """Training-free thresholds (``ltmp calibrate --mode MODE``), claim 7."""
         path = self.root / "calib" / f"{mode}-r{target}.safetensors"
         name = f"calibrated-r{target}" if mode == "shared" else f"calibrated-{mode}-r{target}"
-        if self.saved is None and not path.exists():
+        if self.saved is None and not path.exists() and f"eval/{name}" not in self.before:  # restored, not redone
             path.parent.mkdir(parents=True, exist_ok=True)
             if not self._do(f"calibrate {mode} r{target}", [
                     "calibrate", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--r-target", str(target),
