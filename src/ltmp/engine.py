@@ -149,25 +149,27 @@ def backend_for(plan: Plan, view: BlockView, keep: Tensor | None) -> str:
     return plan.attention if view.fused and not (keep is not None and keep.requires_grad) else "explicit"
 
 
-def split_heads(plan: Plan, qkv: Tensor, heads: int, contiguous: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k and v (b, H, n, D) from projections (b, n, 3 * H * D), as timm splits them (reshape and permute; one
-    strided view where the plan allows); ``contiguous``: one copy of all three (explicit attention reads them
-    whole)."""
-    b, n, C3 = qkv.shape
+def split_heads(plan: Plan, qkv: Tensor, b: int, n: int, heads: int, contiguous: bool
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v (b, H, n, D) from the projections of b images' n tokens, (b, n, 3 * H * D) or their rows
+    (b * n, 3 * H * D), as timm splits them (reshape and permute; one strided view of the rows where the plan
+    allows); ``contiguous``: one copy of all three (explicit attention reads them whole)."""
+    C3 = qkv.shape[-1]
     D = C3 // (3 * heads)
-    if plan.views and qkv.stride(2) == 1:
-        t = qkv.as_strided((3, b, heads, n, D), (heads * D, qkv.stride(0), D, qkv.stride(1), 1), qkv.storage_offset())
+    if plan.views and qkv.is_contiguous():
+        t = qkv.as_strided((3, b, heads, n, D), (heads * D, n * C3, D, C3, 1), qkv.storage_offset())
     else:
         t = qkv.view(b, n, 3, heads, D).permute(2, 0, 3, 1, 4)  # (3, b, H, n, D)
     return (t.contiguous() if contiguous else t).unbind(0)
 
 
-def merge_heads(plan: Plan, o: Tensor) -> Tensor:
-    """Attention output (b, H, n, D) as token rows (b, n, H * D); a fused kernel's (b, n, H, D) layout as a view."""
+def merge_heads(plan: Plan, o: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Attention output (b, H, n, D) as token rows of ``shape``, (b, n, H * D) or (b * n, H * D); a fused kernel's
+    (b, n, H, D) layout as a view."""
     b, H, n, D = o.shape
     if plan.views and o.stride() == (n * H * D, D, H * D, 1):
-        return o.as_strided((b, n, H * D), (n * H * D, H * D, 1), o.storage_offset())
-    return o.transpose(1, 2).reshape(b, n, H * D)
+        return o.as_strided(shape, (H * D, 1) if len(shape) == 2 else (n * H * D, H * D, 1), o.storage_offset())
+    return o.transpose(1, 2).reshape(shape)
 
 
 def attend(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, state: TokenState
@@ -184,9 +186,9 @@ def attend(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, state: T
         keep = state.keep if plan.train else None
         ls = state.size.view(B, N).log() if state.merged_once else None
         backend = backend_for(plan, view, keep)
-        q, k, v = split_heads(plan, qkv.view(B, N, -1), view.heads, backend == "explicit")  # (B, H, N, D) each
+        q, k, v = split_heads(plan, qkv, B, N, view.heads, backend == "explicit")  # (B, H, N, D) each
         o, importance, metric = attention(plan, view, cfg, backend, q, k, v, keep, ls, keep)
-        return merge_heads(plan, o).view(*qkv.shape[:-1], -1), importance, metric
+        return merge_heads(plan, o, (*qkv.shape[:-1], o.shape[1] * o.shape[3])), importance, metric
     ls = L.pad(state.size).log() if state.merged_once else None  # (B, N); -inf at padding (size 0)
     keep = None if ls is not None else L.real.to(state.size.dtype)  # padding keys to mask
     groups = None
@@ -223,7 +225,7 @@ def attention_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Ten
         if o.is_contiguous():  # head by head into the rows
             out.index_copy_(0, (at.view(-1, 1, n) * H + heads[:H].view(1, H, 1)).view(-1), o.view(-1, D))
         else:  # a fused kernel's (b, n, H, D) layout: whole rows
-            out.view(T + 1, H * D).index_copy_(0, at.view(-1), merge_heads(plan, o).reshape(-1, H * D))
+            out.view(T + 1, H * D).index_copy_(0, at.view(-1), merge_heads(plan, o, (o.shape[0] * n, H * D)))
         if idx is None:
             importance, metric = imp, met
             continue

@@ -404,7 +404,8 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
                             kept=kept, kept_frac=kept)
         n_new, T_new = max(counts), sum(counts)
     flat = alive.view(-1)  # (B * N,)
-    slot = flat.cumsum(0).masked_fill_(~flat, 0).view(B, N)  # (B, N) survivors' new rows from 1, 0 (cut) others
+    slot = torch.where(flat, flat.cumsum(0), _scalar(plan, 0, x.device)).view(B, N)  # (B, N) survivors' new rows
+    #                                                                                  from 1, 0 (cut) the others
     if merge is not None:  # a merged token joins its target's row (row 0 if the target was pruned)
         slot.scatter_add_(1, merge.src, slot.gather(1, merge.dst).masked_fill_(merge.stays, 0))
     average = state.merged_once or merge is not None  # else every size is 1 and each new row receives one row
