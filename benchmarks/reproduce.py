@@ -80,7 +80,7 @@ class Jobs:
         """The raw result ``key``: from RAW when rendering, else ``load()`` (from the runs folder); kept for RAW."""
         if self.saved is not None:
             if key not in self.saved["results"]:
-                self.pending.add(key)
+                self.pending.add(key.replace("/", " ", 1))  # "eval/NAME": the job "eval NAME", as a run names it
                 return None
             value = self.saved["results"][key]
         else:
