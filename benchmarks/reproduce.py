@@ -6,7 +6,7 @@
 Model: the CIFAR-10 ViT of ../shared/models (stand-in for the paper's ImageNet ViTs); data: the shared CIFAR-10
 copy; every accuracy is on its 10,000 test images, every paired test an exact McNemar test on the same images.
 
-Resumable and spread over sessions: each training run and evaluation is kept under ``--runs`` as soon as it is
+Resumable and spread over several runs: each training run and evaluation is kept under ``--runs`` as soon as it is
 done (written atomically by ``ltmp``) and skipped next time; an interrupted training resumes from its checkpoint.
 ``--hours H`` starts no new job after H hours; the document is then written from what exists, with "pending" for
 the rest (a failed command is reported and left pending too). Order: claims 1 and 7, 2, 3, 4, 6, then 5 (seeds
@@ -558,7 +558,7 @@ def render(img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run, c8, extra, te
     L = [
         "# Reproducing the paper at small scale",
         "",
-        "Produced by `python benchmarks/reproduce.py` (resumable; `--hours H` to spread it over sessions). "
+        "Produced by `python benchmarks/reproduce.py` (resumable; `--hours H` to spread it over several runs). "
         f"Machine: {jobs.machine}. Raw results: `results/reproduce.json`. "
         "Model: the CIFAR-10 ViT of `../shared/models` (12 blocks, 65 tokens"
         + (f", {dense['gmacs_dense']:.4f} GMACs" if dense else "") + ") in place of the paper's ImageNet DeiTs; "
