@@ -327,8 +327,8 @@ def kbest(scores: Tensor, k: Tensor | int, largest: bool, earlier: Tensor | None
     B, M = scores.shape
     si, sj = scores.view(B, M, 1), scores.view(B, 1, M)
     better = sj > si if largest else sj < si  # (B, M, M) [b, i, j]: j scores better than i
-    before = better.bitwise_or_((sj == si).bitwise_and_(earlier))  # (B, M, M) j comes before i (ONNX Runtime
-    #                                                                has no Where on bool tensors)
+    # (B, M, M) j comes before i; bitwise ops, not torch.where: ONNX Runtime has no Where on bool tensors
+    before = better.bitwise_or_((sj == si).bitwise_and_(earlier))
     return before.sum(-1) < k  # (B, M)
 
 
