@@ -85,7 +85,7 @@ def test_mean_column_importance_averages_surviving_rows_only():
     q, k, v = qkv()
     keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1]] * 2, dtype=torch.float64)
     _, probs = ops.masked_attention(q, k, v, 0.5, keep, None)
-    s = ops.importance_scores(probs, keep, "mean")
+    s = ops.importance_scores(probs, ops.row_weights(keep, 3, keep.dtype), "mean")
     idx = keep[0].bool()
     ref = probs[:, :, idx][:, :, :, idx].mean(1).mean(1)  # eq. 17 on the kept tokens only
     assert torch.allclose(s[:, idx], ref, atol=1e-12)
@@ -188,9 +188,9 @@ def test_mean_importance_stays_in_float32_under_autocast():
     q, k, v = qkv(dtype=torch.float32)
     keep = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.float32)
     _, probs = ops.masked_attention(q, k, v, 0.5, keep, None)
-    ref = ops.importance_scores(probs.double(), keep.double(), "mean")
+    ref = ops.importance_scores(probs.double(), ops.row_weights(keep, 3, torch.float64), "mean")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        s = ops.importance_scores(probs, keep, "mean")
+        s = ops.importance_scores(probs, ops.row_weights(keep, 3, torch.float32), "mean")
     assert s.dtype == torch.float32
     assert torch.allclose(s.double(), ref, atol=1e-6, rtol=0), (s.double() - ref).abs().max()
 
@@ -210,10 +210,11 @@ def test_importance_from_log_sum_exp_equals_the_explicit_probabilities(kind, mas
         keep[2, [3, 5]] = 0
     keep_arg = keep if masked else None
     out, probs = ops.masked_attention(q, k, v, 0.3, keep_arg, ls)
-    expected = ops.importance_scores(probs, keep_arg, kind)
+    weights = ops.row_weights(keep_arg, H, torch.float64)
+    expected = ops.importance_scores(probs, weights, kind)
     bias = ls.masked_fill(keep <= 0.5, float("-inf"))[:, None, None, :]
     fused_out, lse = ops.attention_with_lse(q, k, v, 0.3, bias)
-    got = ops.importance_from_lse(q, k, lse, 0.3, bias, keep_arg, kind, chunk=B * H * N * 4)  # 4-row chunks
+    got = ops.importance_from_lse(q, k, lse, 0.3, bias, weights, kind, chunk=B * H * N * 4)  # 4-row chunks
     assert torch.allclose(got, expected, atol=1e-12, rtol=0), (got - expected).abs().max()
     real = keep > 0.5
     assert torch.allclose(fused_out.transpose(1, 2)[real], out.transpose(1, 2)[real], atol=1e-12, rtol=0)
@@ -282,34 +283,33 @@ def test_similarity_scores_stay_in_float32_under_autocast():
     assert torch.allclose(score.double(), ref, atol=1e-6, rtol=0), (score.double() - ref).abs().max()
 
 
-def test_kbest_selects_k_per_row_ties_to_the_earlier_position():
-    kbest = ops.kbest
+def test_rank_selects_k_per_row_ties_to_the_earlier_position():
     s = torch.tensor([[9.0, 0.1, 0.1, 0.5, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])  # 9.0: not a candidate (lowest)
-    assert kbest(s, 2, largest=False).tolist() == [[False, True, False, False, True],
-                                                       [True, True, False, False, False]]
-    assert kbest(s, 2, largest=True).tolist() == [[True, False, False, True, False],
-                                                      [True, True, False, False, False]]
-    assert kbest(s, torch.tensor([[1], [3]]), largest=True).sum(1).tolist() == [1, 3]
-    assert kbest(s, 9, largest=True).sum(1).tolist() == [5, 5]
+    assert ops.rank(s, largest=False).tolist() == [[4, 1, 2, 3, 0], [0, 1, 2, 3, 4]]
+    assert (ops.rank(s, largest=False) < 2).tolist() == [[False, True, False, False, True],
+                                                         [True, True, False, False, False]]
+    assert (ops.rank(s, largest=True) < 2).tolist() == [[True, False, False, True, False],
+                                                        [True, True, False, False, False]]
+    assert (ops.rank(s, largest=True) < torch.tensor([[1], [3]])).sum(1).tolist() == [1, 3]
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_kbest_equals_a_stable_sort(seed):
+def test_rank_equals_a_stable_sort(seed):
     g = torch.Generator().manual_seed(seed)
     s = torch.randint(0, 4, (6, 20), generator=g).double()  # many ties
     earlier = torch.ones(20, 20, dtype=torch.bool).tril(-1)
     for largest in (False, True):
-        order = s.sort(dim=1, descending=largest, stable=True).indices[:, :5]
-        ref = torch.zeros(6, 20, dtype=torch.bool).scatter_(1, order, True)
-        assert torch.equal(ops.kbest(s, 5, largest), ref)
-        assert torch.equal(ops.kbest(s, 5, largest, earlier=earlier), ref)
+        order = s.sort(dim=1, descending=largest, stable=True).indices  # (6, 20)
+        ref = torch.empty_like(order).scatter_(1, order, torch.arange(20).expand(6, 20))  # each token's place
+        assert torch.equal(ops.rank(s, largest), ref)
+        assert torch.equal(ops.rank(s, largest, earlier=earlier), ref)
 
 
 def test_group_max_raises_targets_to_their_group_max():
     s = torch.tensor([[0.1, 0.5, 0.2, 0.9]])
     src, dst = torch.tensor([[1, 3]]), torch.tensor([[0, 2]])
-    assert ops.group_max(s, src, dst, torch.tensor([[True, True]]))[0].tolist() == pytest.approx([0.5, 0.5, 0.9, 0.9])
-    assert ops.group_max(s, src, dst, torch.tensor([[True, False]]))[0].tolist() == pytest.approx([0.5, 0.5, 0.2, 0.9])
+    assert ops.group_max(s, src, dst, torch.tensor([[False, False]]))[0].tolist() == pytest.approx([0.5, 0.5, 0.9, 0.9])
+    assert ops.group_max(s, src, dst, torch.tensor([[False, True]]))[0].tolist() == pytest.approx([0.5, 0.5, 0.2, 0.9])
 
 
 def test_merge_rows_averages_by_size_and_sizes_add_up():

@@ -28,7 +28,7 @@ from .adapters import BlockView
 from .config import ReduceConfig
 from .export import is_exporting
 from .record import Record
-from .step import Layout, Plan, StepResult, TokenState, positions, reduce_step
+from .step import Layout, Plan, StepResult, TokenState, constant, reduce_step
 
 #: Device-dependent speed choices (none changes results), with the measurement behind each value. A device type not
 #: listed takes "default". ``ReduceConfig.execution`` overrides them per model.
@@ -111,17 +111,18 @@ def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buc
 
 
 def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, backend: str, q: Tensor, k: Tensor, v: Tensor,
-              keep: Tensor | None, log_size: Tensor | None, rows: Tensor | None) -> tuple:
+              keep: Tensor | None, log_size: Tensor | None, weights: Tensor | None, metric: bool = True) -> tuple:
     """Attention of eq. 5-7 on a batch of images with one backend (:func:`backend_for`).
 
     Args:
         q, k, v: (b, H, n, D). keep: (b, n) mask of the keys that count (straight-through in train mode), or None.
-        log_size: (b, n) for proportional attention (-inf at keys that do not count), or None. rows: (b, n) the
-            query rows that eq. 17 averages over (None: all).
+        log_size: (b, n) for proportional attention (-inf at keys that do not count), or None. weights: (b, n) of
+            the query rows that eq. 17 averages over (``ops.row_weights``; None: all). metric: also the merge
+            metric, if the method merges.
 
     Returns:
         The output (b, H, n, D), the importance (b, n) of eq. 16/17 if the method prunes, and the merge metric
-        (b, n, D) (keys summed over heads) if it merges.
+        (b, n, D) (keys summed over heads) or None.
     """
     q, k = view.q_norm(q), view.k_norm(k)
     drop, importance, fused = view.attn_drop if view.training else 0.0, None, None
@@ -131,7 +132,7 @@ def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, backend: str, q: T
         fused = ops.attention_with_lse(q, k, v, view.scale, bias)
     if fused is not None:
         o, lse = fused  # (b, H, n, D), (b, H, n)
-        importance = ops.importance_from_lse(q, k, lse, view.scale, bias, rows, cfg.importance)  # (b, n)
+        importance = ops.importance_from_lse(q, k, lse, view.scale, bias, weights, cfg.importance)  # (b, n)
     elif backend == "sdpa":
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop, scale=view.scale)
     else:
@@ -139,8 +140,8 @@ def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, backend: str, q: T
             if keep is not None and keep.requires_grad else ops.masked_attention(q, k, v, view.scale, keep,
                                                                                  log_size, drop, plan.amp)
         if cfg.needs_importance:
-            importance = ops.importance_scores(probs, rows, cfg.importance)  # (b, n)
-    return o, importance, ops.head_sum(k) if cfg.needs_metric else None  # (b, H, n, D), (b, n), (b, n, D)
+            importance = ops.importance_scores(probs, weights, cfg.importance)  # (b, n)
+    return o, importance, ops.head_sum(k) if metric and cfg.needs_metric else None  # (b, H, n, D), (b, n), (b, n, D)
 
 
 def backend_for(plan: Plan, view: BlockView, keep: Tensor | None) -> str:
@@ -187,7 +188,8 @@ def attend(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, state: T
         ls = state.size.view(B, N).log() if state.merged_once else None
         backend = backend_for(plan, view, keep)
         q, k, v = split_heads(plan, qkv, B, N, view.heads, backend == "explicit")  # (B, H, N, D) each
-        o, importance, metric = attention(plan, view, cfg, backend, q, k, v, keep, ls, keep)
+        w = ops.row_weights(keep, view.heads, ops.wide(qkv.dtype)) if cfg.needs_importance else None  # (B, N)
+        o, importance, metric = attention(plan, view, cfg, backend, q, k, v, keep, ls, w)
         return merge_heads(plan, o, (*qkv.shape[:-1], o.shape[1] * o.shape[3])), importance, metric
     ls = L.pad(state.size).log() if state.merged_once else None  # (B, N); -inf at padding (size 0)
     keep = None if ls is not None else L.real.to(state.size.dtype)  # padding keys to mask
@@ -209,32 +211,37 @@ def attention_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Ten
     """
     (B, N), (T, _), H, D = (layout.batch, layout.length), qkv.shape, view.heads, view.head_dim
     out = qkv.new_empty((T + 1) * H, D)  # each row's heads; row T takes the padding's outputs
-    heads = positions(plan, 3 * H, qkv.device)  # (3 H,) the heads of a row's q | k | v
+    heads_in = constant(plan, ("heads", 3, H, qkv.device), lambda: torch.arange(3 * H, device=qkv.device).view(
+        3, 1, H, 1))  # (3, 1, H, 1) the heads of a row's q | k | v
+    heads_out = constant(plan, ("heads", 1, H, qkv.device), lambda: torch.arange(H, device=qkv.device).view(
+        1, H, 1))  # (1, H, 1)
     backend, importance, metric = backend_for(plan, view, keep), None, None
+    if cfg.needs_metric and len(groups) > 1:  # (B, N, D) from the rows, once for all groups
+        metric = layout.pad(ops.head_sum(view.k_norm(qkv.view(T, 3, H, D)[:, 1])))
+    # once for all groups, (B, N) each: the first of each position's q | k | v rows of (T * 3 H, D) (padding
+    # repeats the image's last row), its output's row (padding's to row T), eq. 17's weight of its query row
+    at, real = layout.at(), layout.real
+    first, to = at * (3 * H), at.masked_fill(~real, T)
+    weights = ops.row_weights(real, H, ops.wide(qkv.dtype)) if cfg.needs_importance else None
     for sel, n in groups:
-        idx = None if sel is None else torch.tensor(sel, device=qkv.device)  # (b,)
-        at, real = ((layout.at(), layout.real) if idx is None else
-                    (layout.at().index_select(0, idx)[:, :n], layout.real.index_select(0, idx)[:, :n]))  # (b, n)
-        full = idx is not None and all(layout.counts[i] == n for i in sel)  # a group without padding
-        rows = at.view(1, -1, 1, n) * (3 * H) + heads.view(3, 1, H, 1)  # (3, b, H, n) rows of (T * 3 H, D)
+        a, t, ls, kp, w = first, to, log_size, keep, weights  # (B, N) each
+        if sel is not None:
+            idx = torch.tensor(sel, device=qkv.device)  # (b,)
+            a, t, ls, kp, w = (None if u is None else u.index_select(0, idx)[:, :n] for u in (a, t, ls, kp, w))
+        full = sel is not None and all(layout.counts[i] == n for i in sel)  # a group without padding
+        rows = a.view(1, -1, 1, n) + heads_in  # (3, b, H, n) rows of (T * 3 H, D)
         q, k, v = qkv.view(-1, D).index_select(0, rows.view(-1)).view(3, *rows.shape[1:], D).unbind(0)
-        ls = None if log_size is None else log_size if idx is None else log_size.index_select(0, idx)[:, :n]
-        o, imp, met = attention(plan, view, cfg, backend, q, k, v, None if keep is None or full else real.to(
-            keep.dtype), ls, None if full else real)  # (b, H, n, D), (b, n), (b, n, D)
-        at = at.masked_fill(~real, T)  # (b, n) padding's outputs to row T
+        o, imp, met = attention(plan, view, cfg, backend, q, k, v, None if full else kp, ls, None if full else w,
+                                metric=sel is None)  # (b, H, n, D), (b, n), (b, n, D) or None
         if o.is_contiguous():  # head by head into the rows
-            out.index_copy_(0, (at.view(-1, 1, n) * H + heads[:H].view(1, H, 1)).view(-1), o.view(-1, D))
+            out.index_copy_(0, (t.view(-1, 1, n) * H + heads_out).view(-1), o.view(-1, D))
         else:  # a fused kernel's (b, n, H, D) layout: whole rows
-            out.view(T + 1, H * D).index_copy_(0, at.view(-1), merge_heads(plan, o, (o.shape[0] * n, H * D)))
-        if idx is None:
+            out.view(T + 1, H * D).index_copy_(0, t.view(-1), merge_heads(plan, o, (o.shape[0] * n, H * D)))
+        if sel is None:
             importance, metric = imp, met
-            continue
-        if imp is not None:
+        elif imp is not None:
             importance = imp.new_zeros(B, N) if importance is None else importance
             importance[:, :n].index_copy_(0, idx, imp)
-        if met is not None:
-            metric = met.new_zeros(B, N, D) if metric is None else metric
-            metric[:, :n].index_copy_(0, idx, met)
     return out.view(T + 1, H * D)[:T], importance, metric
 
 

@@ -84,7 +84,7 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor
         out (B, H, N, D) and the probabilities S (B, H, N, N), in at least float32.
     """
     B, H, N, D = q.shape
-    q3, k3, v3 = (t.reshape(B * H, N, D) for t in (q, k, v))  # (B * H, N, D) each
+    q3, k3, v3 = (t.view(B * H, N, D) for t in (q, k, v))  # (B * H, N, D) each (contiguous: eval's layouts)
     bias = key_bias(keep, log_size, wide(q.dtype))  # (B, N) or None
     if bias is None or amp or q.dtype != wide(q.dtype):  # the scale folded into the matmul (beta 0: no input)
         attn = cast(torch.baddbmm(q3.new_empty(()), q3, k3.transpose(1, 2), beta=0, alpha=scale), wide(q.dtype))
@@ -170,11 +170,20 @@ class MaskedSoftmax(torch.autograd.Function):
         return (probs * d if ctx.needs_input_grad[0] else None), grad_keep, None
 
 
-def importance_scores(probs: Tensor, rows: Tensor | None, kind: str) -> Tensor:
+def row_weights(rows: Tensor | None, heads: int, dtype: torch.dtype) -> Tensor | None:
+    """Each query row's weight in eq. 17's mean: ``1/(h n)`` at the n surviving rows ``rows`` (B, N) (0/1 or
+    bool), 0 at the others; None (every row alike) stays None."""
+    if rows is None:
+        return None
+    w = cast(rows.detach(), dtype)  # (B, N)
+    return w / (heads * w.sum(1, keepdim=True))  # (B, N)
+
+
+def importance_scores(probs: Tensor, weights: Tensor | None, kind: str) -> Tensor:
     """Token importance from the attention probabilities S (B, H, N, N) of eq. 6.
 
     - ``"mean"``: mean column attention, eq. 17: ``s_i = 1/(h n) sum_heads sum_k S_hki``, averaged over heads and
-      over the surviving query rows k, ``rows`` (B, N) (None: all).
+      over the surviving query rows k, with their ``weights`` (B, N) (:func:`row_weights`; None: all rows).
     - ``"cls"``: class attention, eq. 16: ``s_i = sum_heads S_h0i`` (sums over heads, so its scale differs).
 
     Returns:
@@ -182,11 +191,10 @@ def importance_scores(probs: Tensor, rows: Tensor | None, kind: str) -> Tensor:
     """
     if kind == "cls":
         return probs[:, :, 0, :].sum(dim=1)  # (B, N)
-    if rows is None:
+    if weights is None:
         return probs.mean(dim=(1, 2))  # (B, N)
     B, H, N, _ = probs.shape
-    w = cast(rows.detach(), probs.dtype)  # (B, N)
-    w = torch.cat([w / (H * w.sum(1, keepdim=True))] * H, dim=1).view(B, 1, H * N)  # (B, 1, H * N) 1 / (h n)
+    w = torch.cat([cast(weights, probs.dtype)] * H, dim=1).view(B, 1, H * N)  # (B, 1, H * N) 1 / (h n)
     with exact(probs.device.type):
         return torch.bmm(w, probs.reshape(B, H * N, N)).view(B, N)  # (B, N)
 
@@ -226,8 +234,8 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tens
     return out, lse[..., :N]
 
 
-def importance_from_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, bias: Tensor | None, rows: Tensor | None,
-                        kind: str, chunk: int = 1 << 22) -> Tensor:
+def importance_from_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, bias: Tensor | None,
+                        weights: Tensor | None, kind: str, chunk: int = 1 << 22) -> Tensor:
     """:func:`importance_scores` from the log-sum-exp of a fused kernel, without its probabilities.
 
     The probability of query i for key j is ``exp(scale q_i . k_j + bias_j - lse_i)`` (eq. 6), so one more
@@ -236,7 +244,8 @@ def importance_from_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, bias: T
 
     Args:
         q, k: (B, H, N, D); lse: (B, H, N) from :func:`attention_with_lse`; bias: (B, 1, 1, N) or None.
-        rows: (B, N) surviving query rows (None: all); kind: ``"mean"`` (eq. 17) or ``"cls"`` (eq. 16).
+        weights: (B, N) of the surviving query rows (:func:`row_weights`; None: all); kind: ``"mean"`` (eq. 17) or
+            ``"cls"`` (eq. 16).
     """
     B, H, N, _ = q.shape
     dt = wide(lse.dtype)
@@ -250,8 +259,7 @@ def importance_from_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, bias: T
 
     if kind == "cls":
         return probs(slice(0, 1))[:, :, 0].sum(dim=1)  # (B, N)
-    w = q.new_ones(B, N, dtype=dt) if rows is None else cast(rows.detach(), dt)  # (B, N) query rows averaged over
-    w = w / (H * w.sum(dim=1, keepdim=True))  # (B, N)
+    w = q.new_ones(B, N, dtype=dt) / (H * N) if weights is None else cast(weights, dt)  # (B, N)
     step = max(1, chunk // max(1, B * H * N))
     total = 0
     for i in range(0, N, step):
@@ -262,8 +270,8 @@ def importance_from_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, bias: T
 
 def head_sum(k: Tensor) -> Tensor:
     """ToMe's merge metric, the keys averaged over heads, without the division by H (only cosine similarities of
-    it are used): (B, H, N, D) -> (B, N, D)."""
-    return k.sum(1)  # (B, N, D)
+    it are used): (B, H, N, D) -> (B, N, D), or a layout's rows (T, H, D) -> (T, D)."""
+    return k.sum(1)  # (B, N, D) or (T, D)
 
 
 def match(metric: Tensor, blocked: Tensor, pad: bool = False, views: bool = False) -> tuple[Tensor, Tensor]:
@@ -307,20 +315,20 @@ def blocked_pairs(mergeable: Tensor) -> Tensor:
     return blocked[..., 0::2, None] | blocked[..., None, 1::2]  # (..., Na, Nb)
 
 
-def kbest(scores: Tensor, k: Tensor | int, largest: bool, earlier: Tensor | None = None) -> Tensor:
-    """The ``k`` highest (``largest``) or lowest scoring tokens of each row, ties to the earlier position. Tokens
-    that may not be chosen must score -inf (``largest``) or +inf: they come last.
+def rank(scores: Tensor, largest: bool, earlier: Tensor | None = None) -> Tensor:
+    """Each token's rank in its row, best first: the number of tokens that come before it (a higher score for
+    ``largest``, else a lower one, or an equal score at an earlier position). ``rank < k`` selects the k best of
+    each row, ties to the earlier position; tokens that may not be chosen must score -inf (``largest``) or +inf.
 
-    A token's rank is the number of tokens that come before it (a better score, or an equal score at an earlier
-    position): the rank of a stable sort, without a sort (ONNX has no stable sort, so eager and exported models
-    select alike), in O(M^2) comparisons per row.
+    The rank of a stable sort, without a sort (ONNX has no stable sort, so eager and exported models select
+    alike), in O(M^2) comparisons per row.
 
     Args:
-        scores: (B, M). k: how many per row, an int, (B, 1) or a 0-d tensor.
-        earlier: (M, M) bool, [i, j] true where j < i (the caller may keep it; made here if not given).
+        scores: (B, M). earlier: (M, M) bool, [i, j] true where j < i (the caller may keep it; made here if not
+            given).
 
     Returns:
-        (B, M) bool mask of the selected tokens.
+        (B, M) the ranks, 0 for the best.
     """
     if earlier is None:
         earlier = torch.ones(scores.shape[1], scores.shape[1], dtype=torch.bool, device=scores.device).tril(-1)
@@ -329,13 +337,13 @@ def kbest(scores: Tensor, k: Tensor | int, largest: bool, earlier: Tensor | None
     better = sj > si if largest else sj < si  # (B, M, M) [b, i, j]: j scores better than i
     # (B, M, M) j comes before i; bitwise ops, not torch.where: ONNX Runtime has no Where on bool tensors
     before = better.bitwise_or_((sj == si).bitwise_and_(earlier))
-    return before.sum(-1) < k  # (B, M)
+    return before.sum(-1)  # (B, M)
 
 
-def group_max(importance: Tensor, src: Tensor, dst: Tensor, merged: Tensor) -> Tensor:
+def group_max(importance: Tensor, src: Tensor, dst: Tensor, stays: Tensor) -> Tensor:
     """A merged group's importance is its members' max (as in the reference code): the tokens at ``src`` (B, K)
-    that ``merged`` (B, K) join the tokens at ``dst`` (B, K); importance (B, N)."""
-    moved = importance.gather(1, src).masked_fill(~merged, float("-inf"))  # (B, K)
+    join the tokens at ``dst`` (B, K) except where they ``stays`` (B, K); importance (B, N)."""
+    moved = importance.gather(1, src).masked_fill(stays, float("-inf"))  # (B, K)
     return importance.scatter_reduce(1, dst, moved, reduce="amax", include_self=True)  # (B, N)
 
 

@@ -106,9 +106,8 @@ class Layout:
             self._at = (self.real.view(-1).cumsum(0) - 1).view(self.batch, self.length)
         return self._at
 
-    def take(self, padded: Tensor) -> Tensor:
-        """The rows (T, ...) of a padded batch (B, N, ...)."""
-        flat = padded.view(self.batch * self.length, *padded.shape[2:])  # (B * N, ...)
+    def take(self, flat: Tensor) -> Tensor:
+        """The rows (T, ...) of a padded batch's positions, flattened (B * N, ...)."""
         return flat if self.counts is None else flat.index_select(0, self.index())
 
 
@@ -146,12 +145,13 @@ class StepResult:
 
 
 class Merge(NamedTuple):
-    """A merge decision: the set-A tokens at ``src`` (B, K) that ``mask`` selects join the tokens at ``dst``."""
+    """A merge decision: the set-A tokens at ``src`` (B, K) that ``mask`` selects join the tokens at ``dst``. Fixed
+    rates in eval decide only ``stays`` (their counts follow from the shapes)."""
 
     src: Tensor  # (B, K) positions of the set-A tokens
     dst: Tensor  # (B, K) positions of their most similar set-B tokens
-    mask: Tensor  # (B, K) merged: bool, or in train mode straight-through 0/1 values (eq. 1-2)
-    hard: Tensor  # (B, K) bool, merged
+    mask: Tensor | None  # (B, K) merged: bool, or in train mode straight-through 0/1 values (eq. 1-2)
+    hard: Tensor | None  # (B, K) bool, merged
     stays: Tensor  # (B, K) bool, not merged
     cand: Tensor | None  # (B, K) bool, set-A tokens that may merge (train mode, analysis, calibration)
 
@@ -160,7 +160,8 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
                  threshold: Tensor | None, rate: int, importance: Tensor | None) -> Merge:
     """ToMe's matching over the survivors in order (A/B alternate over them, prefix tokens never merge or receive),
     then eq. 1: an A token merges into its most similar B token where the similarity passes the threshold, or for
-    fixed rates where it is among the ``rate`` best matched (ties to the earlier position).
+    fixed rates where it is among the ``rate`` best matched (ties to the earlier position; in eval ``rate`` is the
+    count every image merges, :func:`static_counts`).
 
     Args:
         metric: (B, N, D) keys summed over heads. alive: (B, N) bool, the survivors (None: every token).
@@ -197,49 +198,57 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
         if cfg.fit is not None:
             _fit(threshold, score[cand], cfg.fit[0], largest=True)
         mask = ops.threshold_mask(score, threshold, cfg.tau, soft=plan.train)  # (B, Na) eq. 1-2 (0 outside cand)
-    else:  # k = min(rate, |A|, |B|) per image
+    else:  # the k best matched, k = min(rate, |A|, |B|) per image
+        rank = ops.rank(score, largest=True, earlier=_earlier(plan, score))  # (B, Na)
         if plan.static:
-            k = _scalar(plan, tome_k(rate, N, cfg.num_prefix), metric.device)
-        else:
-            k = torch.minimum(cand.sum(1), mergeable[:, 1::2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
-        mask = ops.kbest(score, k, largest=True, earlier=_earlier(plan, score))
-        mask = mask.to(torch.float32) if plan.train else mask
+            return Merge(src, dst, None, None, rank >= _scalar(plan, rate, rank.device), cand)
+        k = torch.minimum(cand.sum(1), mergeable[:, 1::2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
+        mask = (rank < k).to(torch.float32)  # (B, Na) train mode
     hard = mask if mask.dtype == torch.bool else mask.detach() > 0.5
     return Merge(src, dst, mask, hard, ~hard, cand)
 
 
-def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, alive: Tensor,
-                 threshold: Tensor | None, rate: int) -> tuple[Tensor, Tensor, Tensor]:
+def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, alive: Tensor | None,
+                 threshold: Tensor | None, rate: int) -> tuple[Tensor | None, Tensor, Tensor, Tensor | None]:
     """Which surviving patch tokens are pruned: those whose importance does not pass the threshold (eq. 1), or
-    for fixed rates the ``rate`` least important (ties to the earlier position); with ``keep_one`` an image's most
-    important candidate is spared when every candidate would go.
+    for fixed rates the ``rate`` least important (ties to the earlier position; in eval ``rate`` is the count
+    every image prunes, :func:`static_counts`). With ``keep_one`` an image's most important candidate is spared
+    when every candidate would go.
+
+    Args:
+        alive: (B, N) bool, the survivors (None: every token).
 
     Returns:
-        The pruned tokens (B, N) bool, the candidates (B, N) bool, and in train mode the candidates' keep mask
-        (B, N) with straight-through values (eq. 2; else None).
+        The pruned tokens (B, N) bool (None for fixed rates in eval); the tokens not pruned (B, N) bool, only for
+        fixed rates in eval (else the pruned ones are among the survivors, and ``alive ^ drop`` removes them); the
+        candidates (B, N) bool; and in train mode the candidates' keep mask (B, N) with straight-through values
+        (eq. 2; else None).
     """
-    cand = alive.bitwise_and(_patches(plan, alive.shape[1], cfg.num_prefix, alive.device))  # (B, N)
+    B, N = importance.shape
+    cand = _patches(plan, N, cfg.num_prefix, importance.device, B)  # (B, N)
+    cand = cand if alive is None else alive.bitwise_and(cand)
     if cfg.capture is not None:
         cfg.capture.append(Captured(layer, "prune", importance.detach().cpu(), cand.cpu(), None))
-    soft = None
-    if cfg.learned:
-        if cfg.fit is not None:
-            _fit(threshold, importance[cand], cfg.fit[1], largest=False)
-        kept = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) eq. 1-2
-        drop = cand & ~(kept if kept.dtype == torch.bool else kept.detach() > 0.5)
-        soft = None if kept.dtype == torch.bool else kept
-    else:
+    if not cfg.learned:  # the k least important candidates; with keep_one, k leaves one
         last = torch.where(cand, importance, _scalar(plan, math.inf, importance.device, importance.dtype))  # (B, N)
-        drop = ops.kbest(last, _scalar(plan, rate, cand.device), largest=False,
-                         earlier=_earlier(plan, importance)).bitwise_and(cand)  # (B, N)
-        soft = (~drop).to(importance.dtype) if plan.train else None
+        rank = ops.rank(last, largest=False, earlier=_earlier(plan, importance))  # (B, N)
+        if plan.static:  # k is at most the candidates: the others rank after them
+            return None, rank >= _scalar(plan, rate, rank.device), cand, None
+        k = (cand.sum(1, keepdim=True) - int(cfg.keep_one)).clamp(0, rate)  # (B, 1)
+        drop = rank < k  # (B, N)
+        return drop, None, cand, (~drop).to(importance.dtype)
+    if cfg.fit is not None:
+        _fit(threshold, importance[cand], cfg.fit[1], largest=False)
+    kept = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) eq. 1-2
+    drop = cand & ~(kept if kept.dtype == torch.bool else kept.detach() > 0.5)
+    soft = None if kept.dtype == torch.bool else kept
     if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
         top = importance.detach().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
         spare = torch.zeros_like(cand).scatter_(1, top, True) & (drop.sum(1, keepdim=True) == cand.sum(1, keepdim=True))
         if soft is not None:
             soft = soft + (spare & drop).to(soft.dtype)
         drop = drop & ~spare
-    return drop, cand, soft
+    return drop, None, cand, soft
 
 
 def _fit(*args, **kwargs) -> None:
@@ -256,8 +265,11 @@ def _survivors_first(plan: Plan, alive: Tensor) -> Tensor:
     return torch.where(alive, pos, pos + N).topk(N, dim=1, largest=False).indices  # (B, N)
 
 
-def _patches(plan: Plan, n: int, num_prefix: int, device: torch.device) -> Tensor:
-    """(n,) bool, True past the prefix tokens."""
+def _patches(plan: Plan, n: int, num_prefix: int, device: torch.device, batch: int | None = None) -> Tensor:
+    """(n,) bool, True past the prefix tokens; (batch, n) with ``batch``."""
+    if batch is not None:
+        return constant(plan, ("patches", batch, n, num_prefix, device),
+                        lambda: _patches(plan, n, num_prefix, device).expand(batch, n))
     return constant(plan, ("patches", n, num_prefix, device), lambda: torch.arange(n, device=device) >= num_prefix)
 
 
@@ -273,13 +285,14 @@ def _all(plan: Plan, layout: Layout, device: torch.device) -> Tensor:
 
 
 def _earlier(plan: Plan, scores: Tensor) -> Tensor:
-    """(M, M) bool, [i, j]: position j comes before position i (:func:`ltmp.ops.kbest`)."""
+    """(M, M) bool, [i, j]: position j comes before position i (:func:`ltmp.ops.rank`)."""
     n, device = scores.shape[1], scores.device
     return constant(plan, ("earlier", n, device), lambda: torch.ones(n, n, dtype=torch.bool, device=device).tril(-1))
 
 
-def _static_counts(cfg: ReduceConfig, merged: bool, pruned: bool, n: int, rate: int) -> tuple[int, int]:
+def static_counts(cfg: ReduceConfig, n: int, rate: int) -> tuple[int, int]:
     """The tokens a fixed rate merges and prunes in every image, from the ``n`` entering (eval: static shapes)."""
+    merged, pruned = "merge" in cfg.ops, "prune" in cfg.ops
     n_merged = tome_k(rate, n, cfg.num_prefix) if merged else 0
     n_cand = n - n_merged - cfg.num_prefix
     n_pruned = min(rate, n_cand) - int(cfg.keep_one and 0 < n_cand <= rate) if pruned else 0
@@ -307,24 +320,29 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
     # the survivors (B, N): train mode's kept tokens, eval's real rows (None: every position)
     alive = (None if state.keep is None else state.keep > 0.5) if plan.train else L.real
     in_order = not plan.train
+    static = static_counts(cfg, L.length, rate) if plan.static else None  # fixed rates in eval: the exact counts
     decisions = []
     for op in cfg.ops:
         if op == "merge":
-            m = decide_merge(cfg, plan, layer, metric, alive, in_order, merge_threshold, rate, importance)
+            m = decide_merge(cfg, plan, layer, metric, alive, in_order, merge_threshold,
+                             rate if static is None else static[0], importance)
             alive = _all(plan, L, x.device).scatter(1, m.src, m.stays) if alive is None else alive.scatter(
                 1, m.src, alive.gather(1, m.src).bitwise_and(m.stays))  # (B, N)
             if importance is not None and cfg.ops[-1] == "prune":  # a merged group's importance, for pruning
-                importance = ops.group_max(importance, m.src, m.dst, m.hard)  # (B, N)
+                importance = ops.group_max(importance, m.src, m.dst, m.stays)  # (B, N)
             decisions.append(m)
         else:
-            alive = _all(plan, L, x.device) if alive is None else alive
-            drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold, rate)
-            alive = alive.bitwise_and(~drop)  # (B, N)
+            drop, stays, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold,
+                                                   rate if static is None else static[1])
+            if stays is None:  # the pruned are among the survivors
+                alive = (_all(plan, L, x.device) if alive is None else alive).bitwise_xor(drop)  # (B, N)
+            else:
+                alive = stays if alive is None else alive.bitwise_and(stays)  # (B, N)
             in_order = False  # (ltpm) a merge after pruning splits A/B over the survivors, not the positions
             decisions.append((drop, cand, soft))
     if plan.train:
         return _apply_masks(x, state, cfg, decisions)
-    return _apply_rows(x, state, cfg, plan, decisions, alive, rate)
+    return _apply_rows(x, state, cfg, plan, decisions, alive, static)
 
 
 def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: list) -> tuple:
@@ -379,18 +397,19 @@ def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: lis
 
 
 def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, decisions: list, alive: Tensor,
-                rate: int) -> tuple:
+                static: tuple[int, int] | None) -> tuple:
     """Eval mode: the survivors ``alive`` (B, N) keep their order and become the new rows, image by image; a merged
     token joins its target's row, and each new row is the size-weighted average of the rows it receives (a target
     pruned in the same block takes its group along). One sum of rows into rows does the merging and the
-    compaction. The new counts follow from the shapes for fixed rates; for learned thresholds they are read back
-    from the device, the step's one host synchronisation."""
+    compaction. The new counts follow from the shapes for fixed rates (``static``: the tokens every image merges
+    and prunes); for learned thresholds they are read back from the device, the step's one host
+    synchronisation."""
     L = state.layout
     B, N, P = L.batch, L.length, cfg.num_prefix
     merge = next((d for d in decisions if isinstance(d, Merge)), None)
     drop = next((d[0] for d in decisions if not isinstance(d, Merge)), None)
-    if plan.static:  # fixed rates: every image removes the same number of tokens
-        n_merged, n_pruned = _static_counts(cfg, merge is not None, drop is not None, N, rate)
+    if static is not None:  # fixed rates: every image removes the same number of tokens
+        n_merged, n_pruned = static
         n_new = N - n_merged - n_pruned
         counts, result = None, StepResult(merged=n_merged, pruned=n_pruned, kept=n_new - P, kept_frac=n_new - P)
         T_new = B * n_new
@@ -404,10 +423,11 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
                             kept=kept, kept_frac=kept)
         n_new, T_new = max(counts), sum(counts)
     flat = alive.view(-1)  # (B * N,)
-    slot = torch.where(flat, flat.cumsum(0), _scalar(plan, 0, x.device)).view(B, N)  # (B, N) survivors' new rows
-    #                                                                                  from 1, 0 (cut) the others
+    slot = torch.where(flat, flat.cumsum(0), _scalar(plan, 0, x.device))  # (B * N,) survivors' new rows from 1,
+    #                                                                        0 (cut) the others
     if merge is not None:  # a merged token joins its target's row (row 0 if the target was pruned)
-        slot.scatter_add_(1, merge.src, slot.gather(1, merge.dst).masked_fill_(merge.stays, 0))
+        at = slot.view(B, N)  # (B, N)
+        at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill_(merge.stays, 0))
     average = state.merged_once or merge is not None  # else every size is 1 and each new row receives one row
     x, size, source = ops.merge_rows(x, state.size, L.take(slot), T_new + 1, state.source, average,
                                      weighted=state.merged_once)
