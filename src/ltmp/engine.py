@@ -116,9 +116,8 @@ def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, backend: str, q: T
 
     Args:
         q, k, v: (b, H, n, D). keep: (b, n) mask of the keys that count (straight-through in train mode), or None.
-        log_size: (b, n) for proportional attention (-inf at keys that do not count), or None. weights: (b, n) of
-            the query rows that eq. 17 averages over (``ops.row_weights``; None: all). metric: also the merge
-            metric, if the method merges.
+        log_size: (b, n) for proportional attention (-inf at keys that do not count), or None. weights: (b, n)
+            eq. 17's query row weights (``ops.row_weights``; None: all). metric: the merge metric, if one merges.
 
     Returns:
         The output (b, H, n, D), the importance (b, n) of eq. 16/17 if the method prunes, and the merge metric

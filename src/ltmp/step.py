@@ -160,8 +160,7 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
                  threshold: Tensor | None, rate: int, importance: Tensor | None) -> Merge:
     """ToMe's matching over the survivors in order (A/B alternate over them, prefix tokens never merge or receive),
     then eq. 1: an A token merges into its most similar B token where the similarity passes the threshold, or for
-    fixed rates where it is among the ``rate`` best matched (ties to the earlier position; in eval ``rate`` is the
-    count every image merges, :func:`static_counts`).
+    fixed rates where it is among the ``rate`` best matched (ties to the earlier position; eval: every image's).
 
     Args:
         metric: (B, N, D) keys summed over heads. alive: (B, N) bool, the survivors (None: every token).
@@ -209,20 +208,15 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
 
 
 def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, alive: Tensor | None,
-                 threshold: Tensor | None, rate: int) -> tuple[Tensor | None, Tensor, Tensor, Tensor | None]:
-    """Which surviving patch tokens are pruned: those whose importance does not pass the threshold (eq. 1), or
-    for fixed rates the ``rate`` least important (ties to the earlier position; in eval ``rate`` is the count
-    every image prunes, :func:`static_counts`). With ``keep_one`` an image's most important candidate is spared
-    when every candidate would go.
-
-    Args:
-        alive: (B, N) bool, the survivors (None: every token).
+                 threshold: Tensor | None, rate: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Which surviving patch tokens ``alive`` (B, N) (None: every token) are pruned: those whose importance does not
+    pass the threshold (eq. 1), or for fixed rates the ``rate`` least important (ties to the earlier position; in
+    eval ``rate`` is the count every image prunes, :func:`static_counts`). With ``keep_one`` an image's most
+    important candidate is spared when every candidate would go.
 
     Returns:
-        The pruned tokens (B, N) bool (None for fixed rates in eval); the tokens not pruned (B, N) bool, only for
-        fixed rates in eval (else the pruned ones are among the survivors, and ``alive ^ drop`` removes them); the
-        candidates (B, N) bool; and in train mode the candidates' keep mask (B, N) with straight-through values
-        (eq. 2; else None).
+        The pruned tokens (B, N) bool (among the survivors), the candidates (B, N) bool, and in train mode the
+        candidates' keep mask (B, N) with straight-through values (eq. 2; else None).
     """
     B, N = importance.shape
     cand = _patches(plan, N, cfg.num_prefix, importance.device, B)  # (B, N)
@@ -233,10 +227,9 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
         last = torch.where(cand, importance, _scalar(plan, math.inf, importance.device, importance.dtype))  # (B, N)
         rank = ops.rank(last, largest=False, earlier=_earlier(plan, importance))  # (B, N)
         if plan.static:  # k is at most the candidates: the others rank after them
-            return None, rank >= _scalar(plan, rate, rank.device), cand, None
-        k = (cand.sum(1, keepdim=True) - int(cfg.keep_one)).clamp(0, rate)  # (B, 1)
-        drop = rank < k  # (B, N)
-        return drop, None, cand, (~drop).to(importance.dtype)
+            return rank < _scalar(plan, rate, rank.device), cand, None
+        drop = rank < (cand.sum(1, keepdim=True) - int(cfg.keep_one)).clamp(0, rate)  # (B, N)
+        return drop, cand, (~drop).to(importance.dtype)
     if cfg.fit is not None:
         _fit(threshold, importance[cand], cfg.fit[1], largest=False)
     kept = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) eq. 1-2
@@ -248,7 +241,8 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
         if soft is not None:
             soft = soft + (spare & drop).to(soft.dtype)
         drop = drop & ~spare
-    return drop, None, cand, soft
+    return drop, cand, soft
+
 
 
 def _fit(*args, **kwargs) -> None:
@@ -332,12 +326,9 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
                 importance = ops.group_max(importance, m.src, m.dst, m.stays)  # (B, N)
             decisions.append(m)
         else:
-            drop, stays, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold,
-                                                   rate if static is None else static[1])
-            if stays is None:  # the pruned are among the survivors
-                alive = (_all(plan, L, x.device) if alive is None else alive).bitwise_xor(drop)  # (B, N)
-            else:
-                alive = stays if alive is None else alive.bitwise_and(stays)  # (B, N)
+            drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold,
+                                            rate if static is None else static[1])
+            alive = (_all(plan, L, x.device) if alive is None else alive).bitwise_xor(drop)  # (B, N)
             in_order = False  # (ltpm) a merge after pruning splits A/B over the survivors, not the positions
             decisions.append((drop, cand, soft))
     if plan.train:
@@ -401,9 +392,8 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
     """Eval mode: the survivors ``alive`` (B, N) keep their order and become the new rows, image by image; a merged
     token joins its target's row, and each new row is the size-weighted average of the rows it receives (a target
     pruned in the same block takes its group along). One sum of rows into rows does the merging and the
-    compaction. The new counts follow from the shapes for fixed rates (``static``: the tokens every image merges
-    and prunes); for learned thresholds they are read back from the device, the step's one host
-    synchronisation."""
+    compaction. For fixed rates the counts are ``static`` (:func:`static_counts`); for learned thresholds they are
+    read back from the device, the step's one host synchronisation."""
     L = state.layout
     B, N, P = L.batch, L.length, cfg.num_prefix
     merge = next((d for d in decisions if isinstance(d, Merge)), None)
