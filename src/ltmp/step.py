@@ -244,7 +244,6 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
     return drop, cand, soft
 
 
-
 def _fit(*args, **kwargs) -> None:
     from .calibrate import fit_threshold  # calibration (cfg.fit): ltmp.calibrate sets thresholds from one batch
 
