@@ -135,7 +135,7 @@ def test_distill_mixes_label_and_teacher_terms(tiny_model, tiny_data, tmp_path, 
     assert first["r_flops"] < 0.8 and first["task"] > 1e-7  # (a random tiny model: its outputs barely change)
     assert main(train_args(tiny_model, tiny_data, tmp_path / "bad", "--distill", "2")) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "ltmp: error: --distill is a weight in [0, 1] (0: labels only, 1: teacher only), got 2.0")
+        "ltmp: error: argument --distill: must lie in [0, 1], got 2 (see: ltmp train --help)")
 
 
 def test_distill_loss_is_kl_from_the_teacher():
@@ -316,7 +316,7 @@ def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, ca
     elif case == "r-target":
         args = train_args(tiny_model, tiny_data, out)
         args[args.index("0.6")] = "1.5"
-        expect = r"--r-target must lie in (0, 1], got 1.5"
+        expect = r"argument --r-target: must lie in (0, 1], got 1.5"
     elif case == "other-model":
         other = ltmp.patch(timm.create_model("vit_tiny_patch16_224", **{**TINY_ARGS, "depth": 2}), "ltmp")
         ltmp.save_thresholds(other, tmp_path / "t.safetensors")
@@ -426,8 +426,8 @@ def test_bench_on_random_inputs_says_so_for_learned_thresholds(tiny_model, tmp_p
     assert json.loads(out.read_text())["inputs"] == "random"
 
 
-def test_resume_refuses_changed_settings_and_fresh_runs_drop_stale_checkpoints(tiny_model, tiny_data, tmp_path,
-                                                                               capsys):
+def test_resume_refuses_changed_settings_and_overwrite_drops_the_checkpoint(tiny_model, tiny_data, tmp_path,
+                                                                            capsys):
     out = tmp_path / "run"
     args = ["--steps", "6", "--checkpoint-every", "2", "--no-eval"]
     assert main(train_args(tiny_model, tiny_data, out, *args)) == 0
@@ -443,8 +443,12 @@ def test_resume_refuses_changed_settings_and_fresh_runs_drop_stale_checkpoints(t
     bad[bad.index("8")] = "4"  # another batch size
     code, err = run_cli(bad, capsys)
     assert code == 2 and "started with batch_size=8, not 4" in err
-    assert main(train_args(tiny_model, tiny_data, out, *args)) == 0  # fresh run: the stale checkpoint goes
+    code, err = run_cli(train_args(tiny_model, tiny_data, out, *args), capsys)  # a rerun keeps the checkpoint
+    assert code == 2 and "holds an interrupted run; resume it with --resume, or pass --overwrite" in err
+    assert (out / "checkpoint.safetensors").exists()
+    assert main(train_args(tiny_model, tiny_data, out, *args, "--overwrite")) == 0  # asked: start over
     assert not (out / "checkpoint.safetensors").exists()
+    assert [json.loads(ln)["step"] for ln in (out / "log.jsonl").read_text().splitlines()] == list(range(1, 7))
 
 
 @pytest.mark.slow

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -16,6 +19,50 @@ class CLIError(LtmpError):
     """A user error: printed as one line, exit code 2, no traceback."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (usage text only on --help)."""
+
+    def error(self, message: str):
+        self.exit(2, f"ltmp: error: {message} (see: {self.prog} --help)\n")
+
+
+def number(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False,
+           high_open: bool = False):
+    """An argparse type: an int or finite float within [low, high] (open ends where asked); refused when parsed,
+    not clamped later. Counts are >= 1 or >= 0, learning rates >= 0, tau > 0, fractions in their ranges."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes {'an integer' if kind is int else 'a number'}, got "
+                                             f"'{text}'") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"takes a finite number, got '{text}'")
+        def show(bound):
+            return f"{bound:g}" if isinstance(bound, float) else str(bound)
+
+        below = low is not None and (value <= low if low_open else value < low)
+        above = high is not None and (value >= high if high_open else value > high)
+        if below or above:
+            where = (f"lie in {'(' if low_open else '['}{show(low)}, {show(high)}{')' if high_open else ']'}"
+                     if low is not None and high is not None else
+                     f"be {'>' if low_open else '>='} {show(low)}" if low is not None else
+                     f"be {'<' if high_open else '<='} {show(high)}")
+            raise argparse.ArgumentTypeError(f"must {where}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+COUNT = number(int, 1)  # images, steps, batch sizes, repetitions
+WORKERS = number(int, 0, 256)  # processes, threads
+SEED = number(int, 0, 2**63, high_open=True)
+RATE = number(float, 0, 1, low_open=True)  # r_target
+NONNEG = number(float, 0)  # learning rates, lambda
+POSITIVE = number(float, 0, low_open=True)  # tau, epochs, GMACs
+FINITE = number(float)  # initial thresholds
+
+
 def _rates(text: str | None):
     if text is None:
         return None
@@ -23,14 +70,39 @@ def _rates(text: str | None):
         vals = [int(v) for v in text.split(",")]
     except ValueError:
         raise CLIError(f"--r/--k takes an int or a comma-separated list of ints per layer, got '{text}'") from None
+    if any(v < 0 for v in vals):
+        raise CLIError(f"--r/--k takes tokens per layer, 0 or more, got '{text}'")
     return vals[0] if len(vals) == 1 else vals
+
+
+def _check_rates(model, flag: str):
+    """Refuse a fixed rate above what the model's tokens allow in a block that has all of them (``--r 99`` on 64
+    patch tokens) rather than let the engine clamp it. Later blocks remove at most what is left to them, as ToMe
+    does (:func:`ltmp.flops.schedule_counts`)."""
+    from .config import METHODS
+    from .flops import schedule_counts, vit_spec
+
+    cfg = model.ltmp_config
+    n, per_token = vit_spec(model).num_patches, len(METHODS[cfg.method][0])
+
+    def fits(r: int) -> bool:
+        return n - schedule_counts(cfg.method, [r], n, cfg.keep_one)[0] == r * per_token
+
+    for layer, r in enumerate(cfg.rate):
+        if not fits(r):
+            cap = max(v for v in range(n + 1) if fits(v))
+            raise CLIError(f"{flag} {r} (block {layer + 1}) asks for more tokens than this model has: with its {n} "
+                           f"patch tokens, {cfg.method} removes at most {cap * per_token} per block ({flag} {cap}); "
+                           f"pass {flag} {cap} or less")
+    return model
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required,
                    help="timm model name (deit_small_patch16_224), local-dir:PATH, hf:DIR_OR_NAME or open_clip:ARCH"
                         + ("" if required else " (default: the bundled CIFAR-10 ViT, pretrained)"))
-    p.add_argument("--pretrained", action="store_true", help="load timm's pretrained (or the local-dir) weights")
+    p.add_argument("--pretrained", action="store_true",
+                   help="load timm's pretrained weights (local-dir: and hf: folders always load their own)")
     p.add_argument("--checkpoint", help="weights file: timm, torch or safetensors state dict")
 
 
@@ -38,8 +110,8 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", required=True,
                    help="ImageFolder root with train/ and val/ splits, or a .tar.gz archive of that layout")
     p.add_argument("--val-split", default="val", help="validation split folder (CIFAR-10 layout: test)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--workers", type=int, default=2, help="data loader processes")
+    p.add_argument("--batch-size", type=COUNT, default=128)
+    p.add_argument("--workers", type=WORKERS, default=2, help="data loader processes")
     p.add_argument("--amp", nargs="?", const="auto", default="", choices=["auto", "bf16", "fp16"],
                    help="mixed precision: bf16 where supported (CPU, recent GPUs), else fp16; or name it")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
@@ -71,7 +143,7 @@ def cmd_train(args) -> int:
         val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
         augment=args.augment, amp=args.amp, seed=args.seed, checkpoint_every=args.checkpoint_every,
         workers=args.workers, device=args.device, eval_after=not args.no_eval, compile=args.compile)
-    result = train(cfg, resume=args.resume, progress=not args.quiet)
+    result = train(cfg, resume=args.resume, progress=not args.quiet, overwrite=args.overwrite)
     if "thresholds" in result:
         print(f"thresholds: {result['thresholds']}  (steps {result['steps']}, last batch r_FLOPs "
               f"{result['r_flops']:.3f}, target {cfg.r_target})")
@@ -181,10 +253,11 @@ def _reduced_model(args, model, gmacs: float | None = None, dense_ok: bool = Fal
         raise CLIError(f"pass --thresholds FILE or a fixed-rate --method ({', '.join(FIXED_RATE)}) to compare")
     if args.method in LEARNED:
         raise CLIError(f"--method {args.method} needs learned thresholds: pass --thresholds FILE")
+    flag = "--r" if args.method == "tome" else "--k"
     rate = _rates(args.r if args.method == "tome" else args.k)
     if gmacs is not None:
         rate = rate_schedule(vit_spec(model), gmacs, args.method, shape)
-    return patch(model, args.method, **{"r" if args.method == "tome" else "k": rate})
+    return _check_rates(patch(model, args.method, **{flag[2:]: rate}), flag)
 
 
 def cmd_bench(args) -> int:
@@ -323,7 +396,7 @@ def cmd_analyze(args) -> int:
         atomic_write(out / "layers.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
         written += ["layers.png", "layers.json"]
     k = args.kendall_k
-    model = patch(copy.deepcopy(dense), "topk-mp", k=k)
+    model = _check_rates(patch(copy.deepcopy(dense), "topk-mp", k=k), "--kendall-k")
     tau = {"model": name, "method": f"topk-mp k={k}", **kendall_tau(model, loader, device, args.max_images)}
     plot_kendall(tau, out / "kendall.png", title=f"{name}: importance vs similarity of set-A tokens\n{k} merged + "
                                                 f"{k} pruned per layer, mean +- std over {tau['images']} images")
@@ -428,8 +501,11 @@ def cmd_pretrain(args) -> int:
     return 0
 
 
+OVERWRITE = "replace the output if it exists (it is never one of this command's inputs)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ltmp", description="Learned Thresholds token Merging and Pruning for ViTs")
+    p = Parser(prog="ltmp", description="Learned Thresholds token Merging and Pruning for ViTs")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--version", action="version", version=f"ltmp {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -442,27 +518,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(t)
     _add_data_args(t)
     t.add_argument("--output", required=True, help="run folder for thresholds, config, log and checkpoints")
-    t.add_argument("--r-target", type=float, required=True, help="FLOPs reduction target in (0, 1] (eq. 14)")
+    t.add_argument("--r-target", type=RATE, required=True, help="FLOPs reduction target in (0, 1] (eq. 14)")
     t.add_argument("--method", default="ltmp", choices=LEARNED)
     t.add_argument("--importance", default="mean", choices=["mean", "cls"])
-    t.add_argument("--tau", type=float, default=0.1)
-    t.add_argument("--lam", type=float, default=10.0, help="lambda of eq. 15")
+    t.add_argument("--tau", type=POSITIVE, default=0.1, help="temperature of eq. 2's sigmoid (> 0)")
+    t.add_argument("--lam", type=NONNEG, default=10.0, help="lambda of eq. 15")
     t.add_argument("--budget", default="penalty", choices=["penalty", "constraint", "projected"],
                    help="penalty: lambda (r - r_target)^2 (the paper); constraint: plus a multiplier raised by "
                         "dual ascent until r_FLOPs meets the target; projected: steps along the budget's level "
                         "set (the task loss decides where to reduce), then one shared shift meets the target on "
                         "each batch")
-    t.add_argument("--lr-prune", type=float,
+    t.add_argument("--lr-prune", type=NONNEG,
                    help="prune thresholds' learning rate (sgd: the paper's 5e-6 times 9809 / steps; adam: 2e-4)")
-    t.add_argument("--lr-merge", type=float,
+    t.add_argument("--lr-merge", type=NONNEG,
                    help="merge thresholds' learning rate (sgd: the paper's 5e-3 times 9809 / steps; adam: 2e-3)")
     t.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "group"],
                    help="sgd (the paper's, no momentum; its learning rates scaled to the run's length), adam "
                         "(each threshold's step normalised by its gradient) or group (normalised per group: "
                         "merge, prune)")
-    t.add_argument("--merge-init", type=float,
+    t.add_argument("--merge-init", type=FINITE,
                    help="initial merge thresholds (default 1.0: no reduction; the paper's code: 0.9)")
-    t.add_argument("--prune-init", type=float, default=0.0)
+    t.add_argument("--prune-init", type=FINITE, default=0.0)
     t.add_argument("--mask-grad", default="secant", choices=["secant", "clamp", "eps"],
                    help="bounded form of eq. 6's gradient to removed tokens' masks (eps: the reference code's)")
     t.add_argument("--merge-grad", default="average", choices=["average", "mask"],
@@ -472,17 +548,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-settle", action="store_true",
                    help="keep the trained thresholds as they are; by default, when r_FLOPs on clean held-out (or "
                         "training) images miss --r-target by more than 0.01, one shared shift settles them")
-    t.add_argument("--distill", type=float, default=0.0, metavar="W",
+    t.add_argument("--distill", type=number(float, 0, 1), default=0.0, metavar="W",
                    help="weight of distillation from the unreduced model's logits in the task loss (0: labels "
                         "only, the paper; 1: teacher only)")
-    t.add_argument("--epochs", type=float, default=1.0)
-    t.add_argument("--steps", type=int, help="optimizer steps (overrides --epochs)")
-    t.add_argument("--holdout", type=float, default=0.0, help="fraction of train held out for validation")
-    t.add_argument("--max-train-images", type=int, help="train on a fixed random subset of this size")
+    t.add_argument("--epochs", type=POSITIVE, default=1.0)
+    t.add_argument("--steps", type=COUNT, help="optimizer steps (overrides --epochs)")
+    t.add_argument("--holdout", type=number(float, 0, 1, high_open=True), default=0.0,
+                   help="fraction of train held out for validation")
+    t.add_argument("--max-train-images", type=COUNT, help="train on a fixed random subset of this size")
     t.add_argument("--augment", default="timm", choices=["timm", "light", "none"])
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    t.add_argument("--seed", type=SEED, default=0)
+    t.add_argument("--checkpoint-every", type=COUNT, default=50, help="steps between checkpoints")
     t.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")
+    t.add_argument("--overwrite", action="store_true", help=OVERWRITE)
     t.add_argument("--no-eval", action="store_true", help="skip the evaluation after training")
     t.add_argument("--compile", action="store_true", help="torch.compile the training forward (one graph)")
     t.set_defaults(func=cmd_train)
@@ -494,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--method", choices=["dense", *FIXED_RATE, *LEARNED])
     e.add_argument("--r", help="ToMe: tokens merged per layer, an int or a per-layer list 6,6,5,...")
     e.add_argument("--k", help="top-k baselines: tokens per layer, an int or a per-layer list")
-    e.add_argument("--match-gmacs", type=float,
+    e.add_argument("--match-gmacs", type=POSITIVE,
                    help="fixed-rate methods: pick the per-layer r (or k) schedule closest to these GMACs")
     e.add_argument("--match", help="fixed-rate methods: match the GMACs of this eval JSON")
     e.add_argument("--follow", metavar="EVAL_JSON",
@@ -502,8 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer, at its GMACs (or those of --match/--match-gmacs): its allocation, without "
                         "per-image adaptivity")
     e.add_argument("--compare", help="eval JSON of another run on the same images: paired McNemar test")
-    e.add_argument("--max-images", type=int, help="evaluate N images spread evenly over the split")
+    e.add_argument("--max-images", type=COUNT, help="evaluate N images spread evenly over the split")
     e.add_argument("--json", help="write the full result here")
+    e.add_argument("--overwrite", action="store_true", help=OVERWRITE)
     e.add_argument("--compile", action="store_true",
                    help="torch.compile the model (dynamic shapes for reduced models); the first batches compile")
     e.set_defaults(func=cmd_eval)
@@ -511,17 +590,18 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="latency at batch 1 and throughput at batch N against the dense model")
     _add_model_args(b)
     _add_reduction_args(b)
-    b.add_argument("--batch-size", type=int, default=32, help="throughput batch (batch 1 is always timed)")
+    b.add_argument("--batch-size", type=COUNT, default=32, help="throughput batch (batch 1 is always timed)")
     b.add_argument("--exported", help="also time this ltmp export file (.pt2 or TorchScript) at batch 1")
     b.add_argument("--data-dir", help="time on the first images of this eval split (default: random input)")
     b.add_argument("--val-split", default="val")
-    b.add_argument("--warmup", type=int, default=3)
-    b.add_argument("--reps", type=int, default=10, help="timed forwards per model per round")
-    b.add_argument("--rounds", type=int, default=3,
+    b.add_argument("--warmup", type=number(int, 0), default=3)
+    b.add_argument("--reps", type=COUNT, default=10, help="timed forwards per model per round")
+    b.add_argument("--rounds", type=COUNT, default=3,
                    help="interleaved rounds, each starting one model later (dense, reduced; reduced, dense; ...)")
-    b.add_argument("--threads", type=int, help="torch CPU threads")
+    b.add_argument("--threads", type=number(int, 1, 256), help="torch CPU threads")
     b.add_argument("--device", default="auto")
     b.add_argument("--json", help="write the result here")
+    b.add_argument("--overwrite", action="store_true", help=OVERWRITE)
     b.add_argument("--compile", action="store_true",
                    help="time both models under torch.compile (compiled in the warm-up forwards)")
     b.set_defaults(func=cmd_bench)
@@ -530,8 +610,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(v, required=False)
     _add_reduction_args(v)
     v.add_argument("--image", required=True, help="an image file, or a folder of images")
-    v.add_argument("--max-images", type=int, default=8, help="images from a folder (sorted by path)")
+    v.add_argument("--max-images", type=COUNT, default=8, help="images from a folder (sorted by path)")
     v.add_argument("--output", default="ltmp-viz.png", help="PNG file to write")
+    v.add_argument("--overwrite", action="store_true", help=OVERWRITE)
     v.set_defaults(func=cmd_viz)
 
     a = sub.add_parser("analyze", help="tokens merged/pruned per layer (Figures 5-6) and Kendall tau (Table 1)")
@@ -539,28 +620,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reduction_args(a)
     a.add_argument("--data-dir", help="ImageFolder root or .tar.gz (default: the bundled CIFAR-10 subset)")
     a.add_argument("--val-split", default="test")
-    a.add_argument("--max-images", type=int, default=1000, help="images spread evenly over the split")
-    a.add_argument("--batch-size", type=int, default=64)
-    a.add_argument("--workers", type=int, default=2)
-    a.add_argument("--kendall-k", type=int, default=8, help="tokens merged and pruned per layer for Kendall tau")
+    a.add_argument("--max-images", type=COUNT, default=1000, help="images spread evenly over the split")
+    a.add_argument("--batch-size", type=COUNT, default=64)
+    a.add_argument("--workers", type=WORKERS, default=2)
+    a.add_argument("--kendall-k", type=COUNT, default=8, help="tokens merged and pruned per layer for Kendall tau")
     a.add_argument("--device", default="auto")
     a.add_argument("--output", default="ltmp-analysis", help="folder for the PNG and JSON files")
+    a.add_argument("--overwrite", action="store_true", help=OVERWRITE)
     a.set_defaults(func=cmd_analyze)
 
     c = sub.add_parser("calibrate", help="thresholds without training: bisected to hit r_target on a few images")
     _add_model_args(c, required=False)
     c.add_argument("--data-dir", help="ImageFolder root (train/ is used) or .tar.gz (default: the bundled subset)")
-    c.add_argument("--r-target", type=float, help="FLOPs reduction target in (0, 1]")
+    c.add_argument("--r-target", type=RATE, help="FLOPs reduction target in (0, 1]")
     c.add_argument("--match", metavar="EVAL_JSON", help="instead of --r-target: the r_FLOPs of this eval JSON (e.g. "
                    "a trained run's, for one shared threshold at the same budget)")
     c.add_argument("--method", default="ltmp", choices=LEARNED)
     c.add_argument("--mode", default="shared", choices=["shared", "quantile"],
                    help="shared: one merge threshold for every layer (matched trained thresholds on CIFAR-10); "
                         "quantile: per-layer score quantiles, merging and pruning (1.2-2.4 points worse there)")
-    c.add_argument("--images", type=int, default=256, help="training images to calibrate on")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--images", type=COUNT, default=256, help="training images to calibrate on")
+    c.add_argument("--seed", type=SEED, default=0)
     c.add_argument("--device", default="auto")
     c.add_argument("--output", default="thresholds.safetensors")
+    c.add_argument("--overwrite", action="store_true", help=OVERWRITE)
     c.set_defaults(func=cmd_calibrate)
 
     x = sub.add_parser("export", help="export for deployment: torch.export (.pt2), ONNX or TorchScript")
@@ -569,11 +652,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--format", default="export", choices=["export", "onnx", "torchscript"])
     x.add_argument("--image", help="example image (default: random input of the model's size)")
     x.add_argument("--output", required=True, help="file to write (.pt2 for export, .onnx, .pt for torchscript)")
+    x.add_argument("--overwrite", action="store_true", help=OVERWRITE)
     x.set_defaults(func=cmd_export)
 
     pp = sub.add_parser("pareto", help="plot accuracy against GMACs from ltmp eval --json files (Figure 4)")
     pp.add_argument("evals", nargs="+", help="eval JSON files")
     pp.add_argument("--output", default="pareto.png")
+    pp.add_argument("--overwrite", action="store_true", help=OVERWRITE)
     pp.add_argument("--title", default="")
     pp.set_defaults(func=cmd_pareto)
 
@@ -585,38 +670,95 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data-dir", help="ImageFolder root or .tar.gz (default: the bundled CIFAR-10 subset)")
     d.add_argument("--val-split", default="test")
     d.add_argument("--targets", default="0.7,0.5", help="comma-separated r_target values")
-    d.add_argument("--epochs", type=float, default=2.0)
-    d.add_argument("--batch-size", type=int, default=32)
-    d.add_argument("--max-images", type=int, help="evaluate N images spread evenly over the split")
-    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--epochs", type=POSITIVE, default=2.0)
+    d.add_argument("--batch-size", type=COUNT, default=32)
+    d.add_argument("--max-images", type=COUNT, help="evaluate N images spread evenly over the split")
+    d.add_argument("--workers", type=WORKERS, default=2)
     d.set_defaults(func=cmd_demo)
 
     pt = sub.add_parser("pretrain", help="pretrain the small CIFAR-10 ViT from scratch (resumable)")
     pt.add_argument("--data-dir", required=True, help="CIFAR-10 ImageFolder root or the .tar.gz")
     pt.add_argument("--output", required=True, help="run folder (rerun the same command to resume)")
     pt.add_argument("--val-split", default="test", help="split evaluated after every epoch")
-    pt.add_argument("--epochs", type=int, default=9)
-    pt.add_argument("--stop-after-epoch", type=int, help="end early; the schedule still spans --epochs")
-    pt.add_argument("--batch-size", type=int, default=128)
-    pt.add_argument("--workers", type=int, default=2)
-    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--epochs", type=COUNT, default=9)
+    pt.add_argument("--stop-after-epoch", type=COUNT, help="end early; the schedule still spans --epochs")
+    pt.add_argument("--batch-size", type=COUNT, default=128)
+    pt.add_argument("--workers", type=WORKERS, default=2)
+    pt.add_argument("--seed", type=SEED, default=0)
     pt.add_argument("--amp", nargs="?", const="auto", default="", choices=["auto", "bf16", "fp16"])
     pt.add_argument("--device", default="auto")
     pt.set_defaults(func=cmd_pretrain)
     return p
 
 
+#: each command's outputs: (argument, a folder?); pareto also writes the .json of its --output
+OUTPUTS = {"train": [("output", True)], "eval": [("json", False)], "bench": [("json", False)],
+           "viz": [("output", False)], "analyze": [("output", True)], "calibrate": [("output", False)],
+           "export": [("output", False)], "pareto": [("output", False)]}
+#: arguments that name a command's input files or folders: no output may replace one, even with --overwrite
+INPUTS = ("thresholds", "checkpoint", "match", "follow", "compare", "exported", "image", "evals", "data_dir")
+#: what to do after Ctrl-C, per command (the others write nothing until they finish, atomically)
+INTERRUPTED = {"train": "rerun with --resume to continue from the last checkpoint",
+               "pretrain": "rerun the same command to continue from the last finished epoch",
+               "demo": "rerun the same command to continue; finished trainings are kept"}
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
+
+
+def check_outputs(args) -> None:
+    """Before any work: no output replaces one of the command's inputs; none replaces an existing file or a folder
+    with files in it without --overwrite (train: --resume or --overwrite, ``ltmp.train.check_run_folder``; demo
+    and pretrain continue in their folder); each can be written (no file in the way, a writable folder)."""
+    named = [getattr(args, k, None) for k in INPUTS]
+    inputs = [Path(v) for x in named if x for v in (x if isinstance(x, list) else [x])]
+    if (getattr(args, "model", None) or "").startswith("local-dir:"):
+        inputs.append(Path(args.model.split(":", 1)[1]))
+    outputs = [(Path(getattr(args, k)), f"--{k}", folder) for k, folder in OUTPUTS.get(args.command, ())
+               if getattr(args, k, None)]
+    if args.command == "pareto":
+        outputs.append((outputs[0][0].with_suffix(".json"), f"--output's points file, {outputs[0][0].stem}.json,",
+                        False))
+    for path, flag, folder in outputs:
+        if any(_same(path, i) for i in inputs):
+            raise CLIError(f"{flag} {path} is also an input of this command; write to another path")
+        if folder and path.exists() and not path.is_dir():
+            raise CLIError(f"{flag} {path} is a file; pass a folder")
+        if not folder and path.is_dir():
+            raise CLIError(f"{flag} {path} is a folder; pass a file name")
+        if (args.command != "train" and not args.overwrite and path.exists()
+                and not (path.is_dir() and not any(path.iterdir()))):
+            raise CLIError(f"{flag} {path} exists; pass --overwrite to replace it, or another {flag.split()[0]}")
+        where = path if folder else path.parent
+        while not where.exists():
+            where = where.parent
+        if not where.is_dir():
+            raise CLIError(f"{flag} {path} cannot be created: {where} is a file, not a folder")
+        try:
+            tempfile.NamedTemporaryFile(dir=where).close()
+        except OSError as e:
+            raise CLIError(f"{flag} {path} cannot be written: no new file in {where} ({e.strerror}); pass a path "
+                           f"in a folder you can write") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not [a for a in argv if a != "--quiet"]:
         argv = [*argv, "demo"]  # the demo is the default job
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a bad option (its one line is printed): the exit code
+        return e.code
     warnings.filterwarnings("ignore", message=".*TypedStorage.*")
     try:
+        check_outputs(args)
         return args.func(args)
     except LtmpError as e:  # a user mistake we name (CLIError, DataError, TrainError, ...): one line, no traceback
         print(f"ltmp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("ltmp: interrupted; rerun with --resume to continue from the last checkpoint", file=sys.stderr)
+        print(f"ltmp: interrupted; {INTERRUPTED.get(args.command, 'nothing was written')}", file=sys.stderr)
         return 130

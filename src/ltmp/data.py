@@ -12,10 +12,13 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
 import tarfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
@@ -45,12 +48,15 @@ def unpack_archive(archive: Path) -> Path:
         try:
             with tarfile.open(archive) as tar:
                 tar.extractall(tmp, filter="data")
-        except (tarfile.TarError, OSError, EOFError) as e:
-            raise DataError(f"cannot unpack {archive} ({e}); pass an ImageFolder directory or a valid .tar.gz") \
-                from None
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # no half-unpacked folder is left in the cache
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DataError(f"cannot unpack {archive} ({reason}); pass an ImageFolder directory or a valid "
+                            f".tar.gz") from None
+        except BaseException:  # interrupted: clean up, then stop
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if dest.exists():  # another process finished first
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             os.replace(tmp, dest)
@@ -75,13 +81,44 @@ def resolve_root(data_dir: str | os.PathLike) -> Path:
     return path
 
 
+def to_rgb(im: Image.Image) -> Image.Image:
+    """An 8-bit RGB copy of an opened image. 16-bit greyscale (PNG and TIFF modes ``I;16*`` and ``I``) is scaled by
+    255/65535, where ``convert("RGB")`` would clip it to white; floating-point images (mode ``F``, no known range)
+    are refused with ValueError, so that they are skipped and counted like unreadable ones."""
+    if im.mode == "F":
+        raise ValueError("a floating-point image (mode F) has no known range; save it with 8 or 16 bits")
+    if im.mode.startswith("I"):
+        levels = np.asarray(im).astype(np.float64).clip(0, 65535)  # (H, W) 16-bit levels
+        im = Image.fromarray(np.rint(levels / 257).astype(np.uint8))
+    return im.convert("RGB")
+
+
+#: what PIL raises on a file it cannot read as an image
+UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
+def load_rgb(path: str | os.PathLike) -> Image.Image:
+    """The 8-bit RGB image of a file (:func:`to_rgb`); raises one of ``UNREADABLE`` if it cannot be read."""
+    with Image.open(path) as im:
+        return to_rgb(im)
+
+
+def readable(path: str | os.PathLike) -> bool:
+    """Whether :func:`load_rgb` reads the file."""
+    try:
+        load_rgb(path)
+    except UNREADABLE:
+        return False
+    return True
+
+
 class ImageFolder(Dataset):
     """``root/<class>/<image>`` with sorted class names as labels. Unreadable images yield None (skipped)."""
 
-    def __init__(self, root: Path, transform: Callable | None = None, classes: list[str] | None = None):
+    def __init__(self, root: Path, transform: Callable | None = None, classes: list[str] | None = None,
+                 hint: str = "choose the split with --val-split"):
         if not root.is_dir():
-            raise DataError(f"split folder {root} does not exist; expected {root}/<class>/<image files> "
-                            f"(choose the split with --val-split)")
+            raise DataError(f"split folder {root} does not exist; expected {root}/<class>/<image files> ({hint})")
         self.classes = classes or sorted(p.name for p in root.iterdir() if p.is_dir())
         index = {c: i for i, c in enumerate(self.classes)}
         self.samples: list[tuple[str, int]] = []
@@ -106,13 +143,12 @@ class ImageFolder(Dataset):
     def __getitem__(self, i: int):
         path, label = self.samples[i]
         try:
-            with Image.open(path) as im:
-                img = im.convert("RGB")
-        except (OSError, ValueError, Image.DecompressionBombError):
+            img = load_rgb(path)
+        except UNREADABLE:
             return None  # counted by collate_skip
         if self.transform is not None:
             # augmentation randomness depends only on (seed, epoch, index): resumable and shardable
-            s = (self.seed * 1_000_003 + self.epoch) * 10_000_019 + i
+            s = ((self.seed * 1_000_003 + self.epoch) * 10_000_019 + i) % 2**63  # torch seeds are < 2**64
             random.seed(s)
             torch.manual_seed(s)
             img = self.transform(img)
@@ -205,10 +241,10 @@ def read_images(path: str | os.PathLike, transform: Callable, limit: int) -> lis
     out = []
     for f in files:
         try:
-            with Image.open(f) as im:
-                out.append((f.name, transform(im.convert("RGB"))))
-        except Exception as e:  # PIL raises many types for bad files
-            raise LtmpError(f"cannot read image {f} ({type(e).__name__}); pass a JPEG/PNG image") from None
+            out.append((f.name, transform(load_rgb(f))))
+        except UNREADABLE as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise LtmpError(f"cannot read image {f} ({reason}); pass a JPEG/PNG image") from None
     return out
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .errors import LtmpError
+from .thresholds import atomic_write
 
 FORMATS = ("export", "onnx", "torchscript")
 
@@ -87,13 +88,12 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
     if example.shape[0] != 1:
         raise LtmpError("export takes one example image (batch 1): the exported model runs one image at a time")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     model = _Batch1(model.eval())
     with torch.no_grad():
         if fmt == "export":
             with exporting():  # the branch-free batch-1 step, whatever torch.compiler.is_exporting says
                 program = torch.export.export(model, (example,))
-            torch.export.save(program, str(path))
+            atomic_write(path, lambda tmp: torch.export.save(program, tmp))
         elif fmt == "onnx":
             try:
                 import onnxscript  # noqa: F401
@@ -101,7 +101,8 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
                 raise LtmpError("ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript") \
                     from None
             with exporting():
-                torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=False)
+                atomic_write(path, lambda tmp: torch.onnx.export(model, (example,), tmp, dynamo=True,
+                                                                 external_data=False))
         else:
             cfg = getattr(model.model, "ltmp_config", None)
             if cfg is not None and cfg.learned:
@@ -110,15 +111,24 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 traced = torch.jit.trace(model, (example,), check_trace=False)
-            traced.save(str(path))
+            atomic_write(path, lambda tmp: traced.save(tmp))
     return path
 
 
 def load_exported(path: str | os.PathLike) -> nn.Module:
     """A callable module from an exported file: ``.pt2`` (torch.export) or TorchScript."""
     path = Path(path)
-    if path.suffix == ".pt2":
-        return _Program(torch.export.load(str(path)).module())
     if path.suffix == ".onnx":
         raise LtmpError("run .onnx files with onnxruntime; ltmp loads .pt2 (torch.export) and TorchScript files")
-    return torch.jit.load(str(path))
+    if not path.is_file():
+        raise LtmpError(f"exported model {path} is {'a folder' if path.is_dir() else 'missing'}; pass a file written "
+                        f"by 'ltmp export' (.pt2, or .pt for TorchScript)")
+    try:
+        if path.suffix == ".pt2":
+            return _Program(torch.export.load(str(path)).module())
+        return torch.jit.load(str(path))
+    except Exception as e:  # torch raises many types on a file it cannot read
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise LtmpError(f"cannot load exported model {path} ({reason}); pass a file written by 'ltmp export' "
+                        f"(.pt2, or .pt for TorchScript)") from None
+

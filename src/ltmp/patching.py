@@ -43,8 +43,8 @@ def patch(
         *,
         tau: float = 0.1,
         importance: str = "mean",
-        merge_threshold: float = 0.9,
-        prune_threshold: float = 0.0,
+        merge_threshold: float | None = None,
+        prune_threshold: float | None = None,
         r: int | Sequence[int] | None = None,
         k: int | Sequence[int] | None = None,
         trace_source: bool = False,
@@ -64,8 +64,11 @@ def patch(
             ``topk-mp`` (fixed rate).
         tau: Temperature of the sigmoid surrogate gradient (eq. 2).
         importance: ``"mean"`` (mean column attention, eq. 17) or ``"cls"`` (class attention, eq. 16).
-        merge_threshold: Initial merge threshold of every block (cosine similarity; ``inf`` merges nothing).
-        prune_threshold: Initial prune threshold of every block (importance; ``-inf`` prunes nothing).
+        merge_threshold: Initial merge threshold of every block (cosine similarity; ``inf`` merges nothing). None:
+            the model's own when it is already patched with merge thresholds (re-patching keeps what it learned),
+            else 0.9.
+        prune_threshold: Initial prune threshold of every block (importance; ``-inf`` prunes nothing). None: the
+            model's own when it already has them, else 0.0.
         r: ToMe's tokens merged per layer (int or per-layer list).
         k: Top-k baselines' tokens pruned (and merged, for ``topk-mp``) per layer.
         trace_source: Record which patches each token covers after every block (for visualization).
@@ -82,15 +85,16 @@ def patch(
         raise LtmpError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
     if importance not in ("mean", "cls"):
         raise LtmpError(f"unknown importance '{importance}'; choose 'mean' (eq. 17) or 'cls' (eq. 16)")
-    if getattr(model, "ltmp_config", None) is not None:
-        unpatch(model)
+    if not float(tau) > 0:
+        raise LtmpError(f"tau is the temperature of eq. 2's sigmoid and must be > 0, got {tau}")
     if mask_grad not in ops.MASK_GRADS:
         raise LtmpError(f"unknown mask_grad '{mask_grad}'; choose one of: {', '.join(ops.MASK_GRADS)}")
     if merge_grad not in MERGE_GRADS:
         raise LtmpError(f"unknown merge_grad '{merge_grad}'; choose one of: {', '.join(MERGE_GRADS)}")
-    adapter = adapter_for(model, check=True)
+    adapter = adapter_for(model, check=True)  # every check comes before the model changes
     blks = adapter.blocks(model)
     depth = len(blks)
+    kept = [{n: blk._parameters[n].detach() for n in THRESHOLD_NAMES if n in blk._parameters} for blk in blks]
     cfg = ReduceConfig(method=method, tau=float(tau), importance=importance, num_prefix=adapter.num_prefix(model),
                        trace_source=trace_source, mask_grad=mask_grad, merge_grad=merge_grad)
     if cfg.importance == "cls" and cfg.needs_importance and not adapter.has_class_token(model):
@@ -104,13 +108,16 @@ def patch(
     else:
         cfg.rate = _rate(k, depth, "k")
     cfg.keep_one = adapter.pools_patches(model) or cfg.num_prefix == 0
+    unpatch(model)
 
     ref = next(model.parameters())
-    for blk in blks:
-        if cfg.learned and "merge" in cfg.ops:
-            blk.merge_threshold = nn.Parameter(torch.tensor(float(merge_threshold), device=ref.device))
-        if cfg.learned and "prune" in cfg.ops:
-            blk.prune_threshold = nn.Parameter(torch.tensor(float(prune_threshold), device=ref.device))
+    for blk, old in zip(blks, kept):  # re-patching keeps the thresholds the model has unless new ones are given
+        for kind, given, default in (("merge_threshold", merge_threshold, 0.9), ("prune_threshold", prune_threshold,
+                                                                                  0.0)):
+            if cfg.learned and kind[:5] in cfg.ops:
+                v = old[kind].clone() if given is None and kind in old else torch.tensor(float(
+                    default if given is None else given))
+                setattr(blk, kind, nn.Parameter(v.to(ref.device)))
     model.ltmp_config = cfg
     model.ltmp_record = None
     model._ltmp_hook = model.register_load_state_dict_post_hook(_allow_missing_thresholds)

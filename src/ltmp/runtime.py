@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import re
 
 import torch
 from torch import nn
@@ -24,6 +26,11 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
     Models outside timm carry a timm-style ``pretrained_cfg`` (input size, mean, std), so that timm's data config
     and transforms serve every family.
     """
+    kind, _, folder = name.partition(":")
+    hub_name = re.fullmatch(r"\w[\w.-]*(/\w[\w.-]*)?", folder) and ".." not in folder  # google/vit-base-patch16-224
+    if (kind == "local-dir" or kind == "hf" and not hub_name) and not os.path.isdir(folder):
+        raise LtmpError(f"model folder {folder} does not exist; pass {kind}:DIR with a folder holding the model's "
+                        f"config.json and weights")
     if name.startswith("hf:"):
         return _create_hf(name[3:], checkpoint)
     if name.startswith("open_clip:"):
@@ -37,8 +44,10 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
         raise LtmpError(f"unknown model '{name}'; pick a timm ViT such as deit_small_patch16_224 "
                         f"(list them with: python -c \"import timm; print(timm.list_models('*vit*'))\"), "
                         f"local-dir:PATH, hf:DIR_OR_NAME or open_clip:ARCH")
+    # a local-dir folder's weights are what pointing at it means (as hf: folders); a checkpoint replaces them, and
+    # the pretrained weights: don't fetch them first
+    pretrained = pretrained or name.startswith("local-dir:")
     try:
-        # a checkpoint replaces the pretrained weights: don't fetch them first
         model = timm.create_model(name, pretrained=pretrained and not checkpoint)
     except Exception as e:  # unreachable hub, missing local-dir files, bad config: one line with the fix
         msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
@@ -52,14 +61,30 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
         try:
             load_checkpoint(model, checkpoint, strict=True)
         except Exception as e:  # torch, safetensors and pickle raise many types on a corrupt file
-            msg = str(e).splitlines()[0][:200]
-            raise LtmpError(f"cannot load checkpoint {checkpoint} ({type(e).__name__}: {msg}); pass a timm, "
-                            f"torch or safetensors state dict of {name}") from None
+            raise LtmpError(f"cannot load checkpoint {checkpoint} ({_checkpoint_reason(e)}); pass a timm, torch or "
+                            f"safetensors state dict of {name}") from None
     return model
 
 
 def _one_line(e: Exception) -> str:
     return (str(e).splitlines()[0][:200] if str(e) else "") or type(e).__name__
+
+
+def _checkpoint_reason(e: Exception) -> str:
+    """Why a weights file did not load, in a few words: the first missing or unexpected key or the first shape
+    that differs (``load_state_dict`` lists them all on lines below its header), or that it is no file torch may
+    read safely (without passing on torch's advice to turn ``weights_only`` off)."""
+    text = str(e)
+    if "weights_only" in text or isinstance(e, pickle.UnpicklingError):
+        return "not a state dict torch.load(weights_only=True) can read: random bytes, or pickled Python objects"
+    lines = [ln.strip() for ln in text.splitlines()]
+    if lines and lines[0].startswith("Error(s) in loading state_dict") and len(lines) > 1:
+        found = re.match(r"(Missing|Unexpected) key\(s\) in state_dict: (\"[^\"]+\")(.*)", lines[1])
+        if found:
+            more = found.group(3).count('"') // 2
+            return f"{found.group(1).lower()} key {found.group(2)}" + (f" and {more} more" if more else "")
+        return lines[1][:200]
+    return f"{type(e).__name__}: {_one_line(e)}"
 
 
 def _load_state(model: nn.Module, checkpoint: str, name: str) -> None:
@@ -76,8 +101,8 @@ def _load_state(model: nn.Module, checkpoint: str, name: str) -> None:
             state = state.get("state_dict", state) if isinstance(state, dict) else state
         model.load_state_dict(state, strict=True)
     except Exception as e:  # torch, safetensors and pickle raise many types on a corrupt or foreign file
-        raise LtmpError(f"cannot load checkpoint {checkpoint} ({type(e).__name__}: {_one_line(e)}); pass a torch "
-                        f"or safetensors state dict of {name}") from None
+        raise LtmpError(f"cannot load checkpoint {checkpoint} ({_checkpoint_reason(e)}); pass a torch or "
+                        f"safetensors state dict of {name}") from None
 
 
 def _create_hf(path: str, checkpoint: str | None) -> nn.Module:
@@ -92,8 +117,9 @@ def _create_hf(path: str, checkpoint: str | None) -> nn.Module:
         else:
             model = transformers.AutoModelForImageClassification.from_pretrained(path)
     except Exception as e:  # unreachable hub, missing files, a model without a classification head
-        raise LtmpError(f"cannot load hf:{path} as a transformers image classifier ({_one_line(e)}); pass a "
-                        f"folder written by save_pretrained (offline) or a hub name") from None
+        where = "the folder" if os.path.isdir(path) else "no such folder here, nor on the hub (offline?):"
+        raise LtmpError(f"cannot load hf:{path} as a transformers image classifier ({where} {_one_line(e)}); pass "
+                        f"a folder written by save_pretrained (offline) or a hub name") from None
     if checkpoint:
         _load_state(model, checkpoint, f"hf:{path}")
     model.pretrained_cfg = {**_hf_data_config(transformers, path, config), "architecture": f"hf:{path}",
@@ -218,9 +244,20 @@ def compile_model(model: nn.Module, device: torch.device | str = "cpu", train: b
 
 
 def pick_device(name: str) -> torch.device:
+    """``auto`` (a CUDA GPU if there is one, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``, ``mps``; refused here
+    if this machine lacks it, not on the first tensor moved there."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    have = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if device is None or not have.get(device.type) or (device.type == "cuda" and (device.index or 0)
+                                                           >= torch.cuda.device_count()):
+        here = ", ".join(["auto", *(k for k, ok in have.items() if ok)])
+        raise LtmpError(f"--device {name} is not a device of this machine; pass one of: {here}")
+    return device
 
 
 def amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:

@@ -6,6 +6,7 @@ information only) the model name. It is a few hundred bytes.
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import warnings
@@ -62,7 +63,7 @@ def atomic_write(path: str | os.PathLike, write) -> None:
     ``mkstemp``'s private 0o600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
@@ -112,7 +113,17 @@ def save_thresholds(model: nn.Module, path: str | os.PathLike, extra: dict[str, 
     meta = {"format": FORMAT, "version": VERSION, "method": cfg.method, "tau": repr(cfg.tau),
             "importance": cfg.importance, **describe(model), **(extra or {})}
     tensors = {k: v.contiguous() for k, v in threshold_tensors(model).items()}
+    _require_finite(tensors, f"nothing was written to {path}; a diverged training run (lower --lr-merge or "
+                             f"--lr-prune) or a value set by hand")
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+
+
+def _require_finite(tensors: dict[str, torch.Tensor], why: str) -> None:
+    """Refuse NaN or infinite thresholds: they reduce every token or none (0% top-1), silently."""
+    for kind, values in tensors.items():
+        bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
+        if bad:
+            raise LtmpError(f"{kind} of block {bad[0] + 1} is {values[bad[0]].item()} (not finite); {why}")
 
 
 def read_thresholds(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -120,6 +131,9 @@ def read_thresholds(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise LtmpError(f"thresholds file {path} is a folder; pass the thresholds.safetensors file in it, written "
+                        f"by 'ltmp train'")
     if not path.is_file():
         raise LtmpError(f"thresholds file {path} does not exist; pass the thresholds.safetensors written by "
                         f"'ltmp train'")
@@ -133,6 +147,18 @@ def read_thresholds(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     if meta.get("format") != FORMAT:
         raise LtmpError(f"{path} is not an ltmp thresholds file (no '{FORMAT}' metadata); pass a "
                         f"thresholds.safetensors written by 'ltmp train'")
+    try:
+        tau = float(meta.get("tau", ""))
+    except ValueError:
+        tau = math.nan
+    fits = {"method": meta.get("method") in LEARNED, "tau": 0 < tau < math.inf,
+            "importance": meta.get("importance") in ("mean", "cls"),
+            "tensors": bool(tensors) and set(tensors) <= set(THRESHOLD_NAMES)}
+    bad = next((key for key, ok in fits.items() if not ok), None)
+    if bad:
+        raise LtmpError(f"{path} is damaged: its {bad} ({meta.get(bad, sorted(tensors))!r}) is not what 'ltmp "
+                        f"train' writes; train or calibrate the thresholds again")
+    _require_finite(tensors, f"{path} is damaged; train or calibrate the thresholds again")
     return tensors, meta
 
 

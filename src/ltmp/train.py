@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,7 +48,7 @@ class TrainConfig:
     data_dir: str  # ImageFolder root (train/ and val/ splits) or a .tar.gz of that layout
     output: str  # run folder: thresholds.safetensors, config.json, log.jsonl, checkpoint.safetensors
     r_target: float  # FLOPs reduction target of eq. 14, in (0, 1]
-    pretrained: bool = False  # load timm's pretrained weights (or the local-dir weights)
+    pretrained: bool = False  # load timm's pretrained weights (local-dir: folders always load theirs)
     checkpoint: str | None = None  # weights file (timm, torch or safetensors state dict)
     method: str = "ltmp"  # ltmp | ltpm | ltm | ltp
     importance: str = "mean"  # mean (eq. 17) | cls (eq. 16)
@@ -281,7 +282,8 @@ def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tup
 def build_train_data(cfg: TrainConfig, model: nn.Module):
     root = ldata.resolve_root(cfg.data_dir)
     train_tf, eval_tf, data_cfg = ldata.transforms_for(model, cfg.augment)
-    train_set = ldata.ImageFolder(ldata.split_dir(root, cfg.train_split), train_tf)
+    train_set = ldata.ImageFolder(ldata.split_dir(root, cfg.train_split), train_tf,
+                                  hint=f"training reads the {cfg.train_split}/ split of --data-dir")
     indices = list(range(len(train_set)))
     held: list[int] = []
     if cfg.holdout:
@@ -317,28 +319,54 @@ def validate(cfg: TrainConfig) -> None:
         raise TrainError("--batch-size, --steps and --epochs must be positive")
 
 
-def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict:
+def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse, before any work, to replace a run without being asked: a finished run (its thresholds) or an
+    interrupted one (its checkpoint) in ``out`` needs ``resume`` or ``overwrite``."""
+    if resume and overwrite:
+        raise TrainError("pass --resume to continue the run in --output, or --overwrite to replace it; not both")
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--output {out} is a file; pass a run folder (new, or one to --resume)")
+    ckpt, done = out / "checkpoint.safetensors", out / "thresholds.safetensors"
+    if resume and done.exists() and not ckpt.exists():
+        raise TrainError(f"{out} holds a finished run and no checkpoint, so there is nothing to resume; pass "
+                         f"--overwrite to train it again, or another --output")
+    if not (resume or overwrite) and ckpt.exists():
+        raise TrainError(f"{out} holds an interrupted run; resume it with --resume, or pass --overwrite to start "
+                         f"over")
+    if not (resume or overwrite) and done.exists():
+        raise TrainError(f"{out} already holds a finished run; pass --overwrite to replace it, or another --output")
+
+
+def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, overwrite: bool = False) -> dict:
     """Train the thresholds of one model (paper section 4): frozen backbone, the loss of eq. 15 (its budget as a
     penalty, a dual-ascent constraint or a projection, ``cfg.budget``), SGD by default as in the paper
     (``OPTIMIZER_DEFAULTS``).
 
     Writes into ``cfg.output``: ``config.json``, ``log.jsonl``, ``checkpoint.safetensors`` (every
-    ``checkpoint_every`` steps, atomically) and finally ``thresholds.safetensors``. Only rank 0 writes.
+    ``checkpoint_every`` steps, atomically) and finally ``thresholds.safetensors``. Only rank 0 writes. A folder
+    that holds a run is refused unless ``resume`` (continue its checkpoint) or ``overwrite`` (start over);
+    a run that fails before its first checkpoint removes the folder it created.
 
     Returns:
         A summary (final thresholds file, steps, last r_FLOPs, and the validation result if ``eval_after``).
     """
     cfg = resolve(cfg)
     validate(cfg)
-    ddp, device = init_distributed(cfg.device)
     out = Path(cfg.output)
+    check_run_folder(out, resume, overwrite)  # on every rank: none may go on
+    ddp, device = init_distributed(cfg.device)
+    created = not out.exists()
+    try:
+        return _train(cfg, ddp, device, out, resume, overwrite, progress)
+    except BaseException:
+        if ddp.main and created and out.is_dir() and not (out / "checkpoint.safetensors").exists():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume: bool, overwrite: bool,
+           progress: bool) -> dict:
     ckpt_path = out / "checkpoint.safetensors"
-    if not resume and (out / "thresholds.safetensors").exists():  # checked on every rank: none may go on
-        raise TrainError(f"{out} already holds a finished run; pass another --output, or --resume")
-    if ddp.main:
-        out.mkdir(parents=True, exist_ok=True)
-        if not resume and ckpt_path.exists():
-            ckpt_path.unlink()  # a stale checkpoint of an earlier run must not be resumed later
     torch.manual_seed(cfg.seed)
     model = create_model(cfg.model, cfg.pretrained, cfg.checkpoint,
                          (cfg.data_dir, cfg.train_split))  # open_clip: a zero-shot classifier of these classes
@@ -351,6 +379,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     model.to(device)
     threshold_training_mode(model)
     train_set, indices, val_set, data_cfg = build_train_data(cfg, model)
+    if not any(ldata.readable(train_set.samples[i][0]) for i in indices):  # stops at the first readable image
+        raise TrainError(f"none of the {len(indices)} training images in {train_set.root} can be read; pass a "
+                         f"--data-dir whose train/ holds JPEG or PNG images")
     steps = total_steps(cfg, len(indices))
     cfg = resolve(cfg, steps)
     start, carry, opt_state = 0, {"mu": 0.0, "shift_step": 0.0}, {}
@@ -360,8 +391,6 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         threshold_training_mode(model)
     if resume and ckpt_path.exists():
         start, carry, opt_state = load_checkpoint_state(model, ckpt_path, cfg)
-    elif resume and (out / "thresholds.safetensors").exists():
-        raise TrainError(f"{out} holds a finished run and no checkpoint; nothing to resume")
 
     net: nn.Module = model
     if ddp.world > 1 and cfg.budget != "projected":  # projected_gradients all-reduces its own gradients
@@ -386,6 +415,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                         persistent_workers=False, pin_memory=device.type == "cuda")
     log_path = out / "log.jsonl"
     if ddp.main:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("checkpoint.safetensors", "thresholds.safetensors", "eval.json") if overwrite else ():
+            (out / name).unlink(missing_ok=True)  # the run being replaced, as asked
         resolved = {**dataclasses.asdict(cfg), "total_steps": steps, "train_images": len(indices),
                     "world_size": ddp.world, "device": str(device), "data_config": data_cfg,
                     "torch": torch.__version__}
