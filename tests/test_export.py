@@ -115,3 +115,38 @@ def test_exported_models_decide_as_eager_on_real_images(method, tmp_path):
             kept.add(int(ltmp.stats(model).kept[0, -1]))
             assert torch.allclose(exported(x), want, atol=1e-5, rtol=0), (exported(x) - want).abs().max()
     assert method != "ltmp" or len(kept) > 10, kept  # the images keep many different token counts
+
+
+@pytest.mark.slow
+def test_bench_deployed_times_both_models_exported_in_onnxruntime(tiny_model, tiny_data, tmp_path, capsys):  # noqa: F811
+    """ltmp bench --deployed onnx: dense and reduced exported alike, run in ONNX Runtime one image at a time; each
+    equals its eager model, and the GMACs ratio is the reduced model's own on those images."""
+    pytest.importorskip("onnxruntime")
+    out = tmp_path / "deployed.json"
+    assert main(["--quiet", "bench", "--model", tiny_model, "--method", "tome", "--r", "3", "--deployed", "onnx",
+                 "--data-dir", str(tiny_data), "--images", "4", "--reps", "1", "--rounds", "2", "--warmup", "1",
+                 "--threads", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert (r["runtime"], r["threads"], r["images"], r["method"]) == ("onnx", 1, 4, "tome")
+    assert max(r["max_abs_diff_vs_eager"].values()) < 1e-4
+    assert r["time_ratio"] > 0 and r["dense_ms"]["median"] > 0
+    assert "deployed in onnx (1 thread), batch 1 over 4 images" in capsys.readouterr().out
+    assert main(["--quiet", "eval", "--model", tiny_model, "--method", "tome", "--r", "3", "--data-dir",
+                 str(tiny_data), "--max-images", "4", "--workers", "0", "--json", str(tmp_path / "e.json")]) == 0
+    assert r["gmacs_ratio"] == pytest.approx(json.loads((tmp_path / "e.json").read_text())["gmacs_ratio"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_aoti_runs_fixed_rates_as_eager_and_refuses_learned_thresholds_in_one_line(tmp_path):
+    """AOTInductor, the second deployment runtime: a ToMe model compiles ahead of time and equals eager; learned
+    thresholds' data-dependent token counts do not lower yet, which is one LtmpError naming the way out."""
+    from ltmp.export import deploy
+
+    xs = [x[None] for x in images(3, torch.float32, seed=3)]
+    tome = _patched("cls", "tome")
+    want, _ = _eager(tome, xs)
+    runner = deploy(tome, xs[0], "aoti", tmp_path, "tome", threads=1)
+    for x, w in zip(xs, want):
+        assert torch.allclose(runner(x), w, atol=1e-4, rtol=0)
+    with pytest.raises(ltmp.LtmpError, match=r"AOTInductor cannot compile the ltmp model \(.*use --deployed onnx"):
+        deploy(_patched("cls", "ltmp"), xs[0], "aoti", tmp_path, "ltmp", threads=1)

@@ -7,6 +7,7 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -149,3 +150,66 @@ def bench_models(dense: nn.Module, reduced: nn.Module, batch: torch.Tensor, batc
             run["exported_time_ratio"] = paired_ratio(t, "exported", "dense")["median"]
         result["runs"].append(run)
     return result
+
+
+def bench_deployed(dense: nn.Module, reduced: nn.Module, images: torch.Tensor, runtime: str, threads: int, *,
+                   warmup: int = 3, reps: int = 10, rounds: int = 5) -> dict:
+    """``ltmp bench --deployed``: the dense and the reduced model exported the same way, loaded into a deployment
+    runtime (:func:`ltmp.export.deploy`) and run one image at a time, as the paper timed DeiT-S on a phone; both
+    in the same interleaved rounds (one repetition runs every image once), the time ratio paired round by round.
+
+    Args:
+        dense, reduced: The eager models (CPU, eval mode).
+        images: (N, 3, H, W) images; the first is the export example.
+        runtime: ``onnx`` (ONNX Runtime, CPU provider) or ``aoti`` (AOTInductor).
+        threads: Intra-op threads of the runtime.
+
+    Returns:
+        Medians and quartiles per image in ms, the paired time ratio, the reduced model's GMACs ratio (its eager
+        token counts on these images, one at a time) and each deployed model's largest |logit difference| from
+        its eager original.
+    """
+    import tempfile
+
+    from .export import deploy
+
+    spec = vit_spec(dense)
+    singles = [x[None] for x in images]  # (1, 3, H, W) each
+    kept, diff = [], {"dense": 0.0, "reduced": 0.0}
+    with tempfile.TemporaryDirectory() as folder:
+        models = {name: deploy(m, singles[0], runtime, folder, name, threads)
+                  for name, m in (("dense", dense), ("reduced", reduced))}
+        with torch.no_grad():
+            for x in singles:
+                for name, eager in (("dense", dense), ("reduced", reduced)):
+                    gap = (models[name](x).float() - eager(x).float()).abs().max()
+                    diff[name] = max(diff[name], float(gap))
+                kept.append(stats(reduced).kept)  # (1, L) of the eager reduced model, just run
+        timed = compare_models(models, singles, warmup=warmup, reps=reps, rounds=rounds)
+        ops = {name: graph_ops(Path(folder) / f"{name}.onnx") for name in models} if runtime == "onnx" else None
+    g_mean = float(gmacs(spec, torch.cat(kept)).mean())
+    ratio = paired_ratio(timed, "reduced", "dense")
+    per_image = {name: {k: 1000 * timed[name][k] / len(singles) for k in ("median", "p25", "p75")}
+                 for name in models}
+    return {"runtime": runtime, "threads": threads, "images": len(singles), "method": reduced.ltmp_config.method,
+            "machine": platform.machine(), "processor": platform.processor(), "torch": torch.__version__,
+            "dense_ms": per_image["dense"], "reduced_ms": per_image["reduced"],
+            "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
+            "gmacs_dense": dense_gmacs(spec), "gmacs": g_mean, "gmacs_ratio": g_mean / dense_gmacs(spec),
+            "max_abs_diff_vs_eager": diff, "rounds": rounds, "reps": reps, "graph_ops": ops}
+
+
+def graph_ops(path: Path) -> dict[str, int]:
+    """Operators of an ONNX graph by type, most frequent first (nodes of subgraphs included)."""
+    import collections
+
+    import onnx
+
+    counts: collections.Counter = collections.Counter()
+    graphs = [onnx.load(str(path)).graph]
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            counts[node.op_type] += 1
+            graphs += [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+    return dict(counts.most_common())

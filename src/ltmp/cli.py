@@ -279,15 +279,18 @@ def cmd_bench(args) -> int:
         from .export import load_exported
 
         exported = load_exported(args.exported).to(device)
+    n = args.images if args.deployed else args.batch_size
     if args.data_dir:
-        ds = ldata.eval_set(dense, args.data_dir, args.val_split, args.batch_size)
+        ds = ldata.eval_set(dense, args.data_dir, args.val_split, n)
         batch = torch.stack([ds[i][0] for i in range(len(ds))])
     else:
         g = torch.Generator().manual_seed(0)
-        batch = torch.randn(args.batch_size, *dense.pretrained_cfg.get("input_size", (3, 224, 224)), generator=g)
+        batch = torch.randn(n, *dense.pretrained_cfg.get("input_size", (3, 224, 224)), generator=g)
         if reduced.ltmp_config.learned:
             print("ltmp: note: timing on random inputs (no --data-dir); learned thresholds keep as many tokens as "
                   "each image needs, so pass --data-dir DIR to time real images", file=sys.stderr)
+    if args.deployed:
+        return _bench_deployed(args, dense.cpu(), reduced.cpu(), batch)
     result = {"model": args.model, "inputs": args.data_dir or "random", **bench_models(
         dense, reduced, batch, sorted({1, args.batch_size}), compile=args.compile, exported=exported,
         warmup=args.warmup, reps=args.reps, rounds=args.rounds)}
@@ -314,6 +317,28 @@ def cmd_bench(args) -> int:
         from .thresholds import atomic_write
 
         atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=2)))
+    return 0
+
+
+def _bench_deployed(args, dense, reduced, images) -> int:
+    import torch
+
+    from .bench import bench_deployed
+
+    threads = args.threads or torch.get_num_threads()
+    r = {"model": args.model, "inputs": args.data_dir or "random", **bench_deployed(
+        dense, reduced, images, args.deployed, threads, warmup=args.warmup, reps=args.reps, rounds=args.rounds)}
+    d, m = r["dense_ms"], r["reduced_ms"]
+    print(f"deployed in {args.deployed} ({threads} thread{'s' * (threads > 1)}), batch 1 over {r['images']} images, "
+          f"{r['rounds']} rounds: dense {d['median']:.2f} ms (IQR {d['p25']:.2f}-{d['p75']:.2f}), {r['method']} "
+          f"{m['median']:.2f} ms (IQR {m['p25']:.2f}-{m['p75']:.2f}) per image; time ratio {r['time_ratio']:.3f} "
+          f"(IQR {r['time_ratio_iqr'][0]:.3f}-{r['time_ratio_iqr'][1]:.3f}), GMACs ratio {r['gmacs_ratio']:.3f}")
+    print(f"largest |logit difference| from eager: dense {r['max_abs_diff_vs_eager']['dense']:.1e}, "
+          f"{r['method']} {r['max_abs_diff_vs_eager']['reduced']:.1e}; {r['machine']}, torch {r['torch']}")
+    if args.json:
+        from .thresholds import atomic_write
+
+        atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(r, indent=2)))
     return 0
 
 
@@ -592,6 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reduction_args(b)
     b.add_argument("--batch-size", type=COUNT, default=32, help="throughput batch (batch 1 is always timed)")
     b.add_argument("--exported", help="also time this ltmp export file (.pt2 or TorchScript) at batch 1")
+    b.add_argument("--deployed", choices=["onnx", "aoti"],
+                   help="time both models exported and run in a deployment runtime, one image at a time: ONNX "
+                        "Runtime (CPU) or AOTInductor (needs a C++ compiler); docs/deploy.md")
+    b.add_argument("--images", type=COUNT, default=60, help="--deployed: images each repetition runs in turn")
     b.add_argument("--data-dir", help="time on the first images of this eval split (default: random input)")
     b.add_argument("--val-split", default="val")
     b.add_argument("--warmup", type=number(int, 0), default=3)

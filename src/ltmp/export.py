@@ -102,7 +102,7 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
                     from None
             with exporting():
                 atomic_write(path, lambda tmp: torch.onnx.export(model, (example,), tmp, dynamo=True,
-                                                                 external_data=False))
+                                                                 external_data=False, verbose=False))
         else:
             cfg = getattr(model.model, "ltmp_config", None)
             if cfg is not None and cfg.learned:
@@ -132,3 +132,52 @@ def load_exported(path: str | os.PathLike) -> nn.Module:
         raise LtmpError(f"cannot load exported model {path} ({reason}); pass a file written by 'ltmp export' "
                         f"(.pt2, or .pt for TorchScript)") from None
 
+
+#: runtimes ``ltmp bench --deployed`` times exported models in, with the format each one runs
+RUNTIMES = {"onnx": "onnx", "aoti": "export"}
+
+
+class _OrtSession(nn.Module):
+    """An ONNX Runtime inference session (CPU provider) as a module: one call runs the whole graph, no Python."""
+
+    def __init__(self, path: Path, threads: int):
+        super().__init__()
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise LtmpError("--deployed onnx needs ONNX Runtime: pip install 'ltmp[export]'") from None
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.__dict__["session"] = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.input = self.session.get_inputs()[0].name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.session.run(None, {self.input: x.numpy()})[0])
+
+
+def deploy(model: nn.Module, example: torch.Tensor, runtime: str, folder: str | os.PathLike, name: str,
+           threads: int) -> nn.Module:
+    """Export ``model`` at batch 1 and load it into a deployment runtime, as a callable module.
+
+    - ``onnx``: the ONNX export in ONNX Runtime's CPU provider with ``threads`` intra-op threads;
+    - ``aoti``: the ``.pt2`` program compiled ahead of time by AOTInductor (a C++ shared library, needs a C++
+      compiler) and loaded with ``torch._inductor.aoti_load_package``; it runs on torch's ``threads``.
+    """
+    if runtime not in RUNTIMES:
+        raise LtmpError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIMES)}")
+    suffix = ".onnx" if runtime == "onnx" else ".pt2"
+    path = export_model(model, example, RUNTIMES[runtime], Path(folder) / f"{name}{suffix}")
+    if runtime == "onnx":
+        return _OrtSession(path, threads)
+    torch.set_num_threads(threads)
+    try:
+        package = torch._inductor.aoti_compile_and_package(torch.export.load(str(path)),
+                                                           package_path=str(Path(folder) / f"{name}-aoti.pt2"))
+    except Exception as e:  # Inductor's lowering errors are long; the first line says what it could not do
+        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise LtmpError(f"AOTInductor cannot compile the {name} model ({reason}); learned thresholds' "
+                        f"data-dependent token counts do not compile there yet (docs/deploy.md): use --deployed onnx"
+                        ) from None
+    return _Program(torch._inductor.aoti_load_package(package))

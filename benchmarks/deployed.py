@@ -1,0 +1,84 @@
+"""Deployed batch-1 time ratios (issue #39): exported models in a deployment runtime against the dense model exported
+the same way, beside eager PyTorch; the paper's latency table is such a measurement (DeiT-S on a Pixel 7).
+
+Rows: the DeiT-S shape (random weights, bundled CIFAR-10 test images upsampled to 224) with LTMP calibrated to
+r_FLOPs 0.5 (``common.calibrated``) and ToMe at LTMP's GMACs; the CIFAR-10 ViT with LTMP calibrated to r 0.5 and ToMe
+at its GMACs. Each is timed in ONNX Runtime (``ltmp.bench.bench_deployed``, the path of ``ltmp bench --deployed
+onnx``) with 1 and 2 threads, and in eager PyTorch at batch 1 (``ltmp.bench.compare_models``), one image at a time
+over ``--images`` images, ``--rounds`` interleaved rounds. Prints ratios with quartiles over rounds and the targets
+of issue #39 (LTMP <= GMACs ratio + 0.06, ToMe <= + 0.04); writes ``--json``.
+
+    python benchmarks/deployed.py --json results/deployed.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+import ltmp
+from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs
+from ltmp.bench import bench_deployed, compare_models, paired_ratio
+from ltmp.thresholds import atomic_write
+
+#: time ratio <= GMACs ratio + this, per method (issue #39)
+TARGET_MARGIN = {"ltmp": 0.06, "tome": 0.04}
+
+
+def eager_ratio(dense, reduced, images, threads: int, reps: int, rounds: int) -> dict:
+    torch.set_num_threads(threads)
+    singles = [x[None] for x in images]
+    timed = compare_models({"dense": dense, "reduced": reduced}, singles, warmup=2, reps=reps, rounds=rounds)
+    r = paired_ratio(timed, "reduced", "dense")
+    return {"time_ratio": r["median"], "time_ratio_iqr": [r["p25"], r["p75"]],
+            "dense_ms": 1000 * timed["dense"]["median"] / len(singles)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["deit-s", "cifar"], choices=["deit-s", "cifar"])
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--images", type=int, default=60)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--runtime", default="onnx", choices=["onnx", "aoti"])
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    rows = []
+    for name in args.models:
+        dense = load_model(name)
+        images = load_images(dense, "test", args.images)
+        mine, _ = calibrated(dense, 0.5)
+        tome = at_gmacs(dense, "tome", mean_gmacs(mine, images))
+        for reduced in (mine, tome):
+            for threads in args.threads:
+                dep = bench_deployed(dense, reduced, images, args.runtime, threads, reps=args.reps,
+                                     rounds=args.rounds)
+                eager = eager_ratio(dense, reduced, images, threads, args.reps, args.rounds)
+                method = reduced.ltmp_config.method
+                row = {"model": name, "method": method, "threads": threads, "gmacs_ratio": dep["gmacs_ratio"],
+                       "deployed": {k: dep[k] for k in ("time_ratio", "time_ratio_iqr", "dense_ms", "reduced_ms",
+                                                        "max_abs_diff_vs_eager", "graph_ops")},
+                       "eager": eager, "target": dep["gmacs_ratio"] + TARGET_MARGIN[method]}
+                rows.append(row)
+                d = row["deployed"]
+                print(f"{name} {method} {threads} thr: GMACs ratio {row['gmacs_ratio']:.3f}; {args.runtime} "
+                      f"{d['time_ratio']:.3f} (IQR {d['time_ratio_iqr'][0]:.3f}-{d['time_ratio_iqr'][1]:.3f}, dense "
+                      f"{d['dense_ms']['median']:.1f} ms), target <= {row['target']:.3f}"
+                      f" {'met' if d['time_ratio'] <= row['target'] else 'MISSED'}; eager {eager['time_ratio']:.3f} "
+                      f"(dense {eager['dense_ms']:.1f} ms); |logit diff| {d['max_abs_diff_vs_eager']['reduced']:.1e}"
+                      + (f"; ONNX nodes dense {sum(d['graph_ops']['dense'].values())}, {method} "
+                         f"{sum(d['graph_ops']['reduced'].values())}" if d["graph_ops"] else ""), flush=True)
+    out = {"runtime": args.runtime, "images": args.images, "reps": args.reps, "rounds": args.rounds,
+           "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+           "torch": torch.__version__, "ltmp": ltmp.__version__, "rows": rows}
+    if args.json:
+        atomic_write(Path(args.json), lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
+
+
+if __name__ == "__main__":
+    main()
