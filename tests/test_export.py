@@ -127,9 +127,10 @@ def test_bench_deployed_times_both_models_exported_in_onnxruntime(tiny_model, ti
                  "--data-dir", str(tiny_data), "--images", "4", "--reps", "1", "--rounds", "2", "--warmup", "1",
                  "--threads", "1", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert (r["runtime"], r["threads"], r["images"], r["method"]) == ("onnx", 1, 4, "tome")
+    assert (r["runtime"], r["images"], r["method"], [run["threads"] for run in r["runs"]]) == ("onnx", 4, "tome", [1])
     assert max(r["max_abs_diff_vs_eager"].values()) < 1e-4
-    assert r["time_ratio"] > 0 and r["dense_ms"]["median"] > 0
+    assert r["runs"][0]["time_ratio"] > 0 and r["runs"][0]["dense_ms"]["median"] > 0
+    assert r["graph_ops"]["dense"]["MatMul"] > 0 and sum(r["graph_ops"]["reduced"].values()) > 0
     assert "deployed in onnx (1 thread), batch 1 over 4 images" in capsys.readouterr().out
     assert main(["--quiet", "eval", "--model", tiny_model, "--method", "tome", "--r", "3", "--data-dir",
                  str(tiny_data), "--max-images", "4", "--workers", "0", "--json", str(tmp_path / "e.json")]) == 0
@@ -140,13 +141,14 @@ def test_bench_deployed_times_both_models_exported_in_onnxruntime(tiny_model, ti
 def test_aoti_runs_fixed_rates_as_eager_and_refuses_learned_thresholds_in_one_line(tmp_path):
     """AOTInductor, the second deployment runtime: a ToMe model compiles ahead of time and equals eager; learned
     thresholds' data-dependent token counts do not lower yet, which is one LtmpError naming the way out."""
-    from ltmp.export import deploy
+    from ltmp.export import deploy, load_deployed
 
     xs = [x[None] for x in images(3, torch.float32, seed=3)]
     tome = _patched("cls", "tome")
     want, _ = _eager(tome, xs)
-    runner = deploy(tome, xs[0], "aoti", tmp_path, "tome", threads=1)
+    threads = torch.get_num_threads()
+    runner = load_deployed(deploy(tome, xs[0], "aoti", tmp_path, "tome"), "aoti", threads)
     for x, w in zip(xs, want):
         assert torch.allclose(runner(x), w, atol=1e-4, rtol=0)
     with pytest.raises(ltmp.LtmpError, match=r"AOTInductor cannot compile the ltmp model \(.*use --deployed onnx"):
-        deploy(_patched("cls", "ltmp"), xs[0], "aoti", tmp_path, "ltmp", threads=1)
+        deploy(_patched("cls", "ltmp"), xs[0], "aoti", tmp_path, "ltmp")

@@ -152,8 +152,8 @@ def bench_models(dense: nn.Module, reduced: nn.Module, batch: torch.Tensor, batc
     return result
 
 
-def bench_deployed(dense: nn.Module, reduced: nn.Module, images: torch.Tensor, runtime: str, threads: int, *,
-                   warmup: int = 3, reps: int = 10, rounds: int = 5) -> dict:
+def bench_deployed(dense: nn.Module, reduced: nn.Module, images: torch.Tensor, runtime: str,
+                   threads: Sequence[int], *, warmup: int = 3, reps: int = 10, rounds: int = 5) -> dict:
     """``ltmp bench --deployed``: the dense and the reduced model exported the same way, loaded into a deployment
     runtime (:func:`ltmp.export.deploy`) and run one image at a time, as the paper timed DeiT-S on a phone; both
     in the same interleaved rounds (one repetition runs every image once), the time ratio paired round by round.
@@ -162,41 +162,44 @@ def bench_deployed(dense: nn.Module, reduced: nn.Module, images: torch.Tensor, r
         dense, reduced: The eager models (CPU, eval mode).
         images: (N, 3, H, W) images; the first is the export example.
         runtime: ``onnx`` (ONNX Runtime, CPU provider) or ``aoti`` (AOTInductor).
-        threads: Intra-op threads of the runtime.
+        threads: Intra-op thread counts to time with (both models exported once).
 
     Returns:
-        Medians and quartiles per image in ms, the paired time ratio, the reduced model's GMACs ratio (its eager
-        token counts on these images, one at a time) and each deployed model's largest |logit difference| from
-        its eager original.
+        The reduced model's GMACs ratio (its eager token counts on these images, one at a time), each deployed
+        model's largest |logit difference| from its eager original, the ONNX graphs' operators by type, and per
+        thread count (``runs``) medians and quartiles per image in ms and the paired time ratio.
     """
     import tempfile
 
-    from .export import deploy
+    from .export import deploy, load_deployed
 
     spec = vit_spec(dense)
     singles = [x[None] for x in images]  # (1, 3, H, W) each
-    kept, diff = [], {"dense": 0.0, "reduced": 0.0}
+    kept, diff, runs = [], {"dense": 0.0, "reduced": 0.0}, []
     with tempfile.TemporaryDirectory() as folder:
-        models = {name: deploy(m, singles[0], runtime, folder, name, threads)
-                  for name, m in (("dense", dense), ("reduced", reduced))}
-        with torch.no_grad():
-            for x in singles:
-                for name, eager in (("dense", dense), ("reduced", reduced)):
-                    gap = (models[name](x).float() - eager(x).float()).abs().max()
-                    diff[name] = max(diff[name], float(gap))
-                kept.append(stats(reduced).kept)  # (1, L) of the eager reduced model, just run
-        timed = compare_models(models, singles, warmup=warmup, reps=reps, rounds=rounds)
-        ops = {name: graph_ops(Path(folder) / f"{name}.onnx") for name in models} if runtime == "onnx" else None
+        files = {name: deploy(m, singles[0], runtime, folder, name) for name, m in (("dense", dense),
+                                                                                   ("reduced", reduced))}
+        for n in threads:
+            models = {name: load_deployed(path, runtime, n) for name, path in files.items()}
+            if not runs:
+                with torch.no_grad():
+                    for x in singles:
+                        for name, eager in (("dense", dense), ("reduced", reduced)):
+                            gap = (models[name](x).float() - eager(x).float()).abs().max()
+                            diff[name] = max(diff[name], float(gap))
+                        kept.append(stats(reduced).kept)  # (1, L) of the eager reduced model, just run
+            timed = compare_models(models, singles, warmup=warmup, reps=reps, rounds=rounds)
+            ratio = paired_ratio(timed, "reduced", "dense")
+            runs.append({"threads": n, "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
+                         **{f"{name}_ms": {k: 1000 * timed[name][k] / len(singles) for k in ("median", "p25", "p75")}
+                            for name in models}})
+        ops = {name: graph_ops(path) for name, path in files.items()} if runtime == "onnx" else None
     g_mean = float(gmacs(spec, torch.cat(kept)).mean())
-    ratio = paired_ratio(timed, "reduced", "dense")
-    per_image = {name: {k: 1000 * timed[name][k] / len(singles) for k in ("median", "p25", "p75")}
-                 for name in models}
-    return {"runtime": runtime, "threads": threads, "images": len(singles), "method": reduced.ltmp_config.method,
-            "machine": platform.machine(), "processor": platform.processor(), "torch": torch.__version__,
-            "dense_ms": per_image["dense"], "reduced_ms": per_image["reduced"],
-            "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
-            "gmacs_dense": dense_gmacs(spec), "gmacs": g_mean, "gmacs_ratio": g_mean / dense_gmacs(spec),
-            "max_abs_diff_vs_eager": diff, "rounds": rounds, "reps": reps, "graph_ops": ops}
+    return {"runtime": runtime, "images": len(singles), "method": reduced.ltmp_config.method,
+            "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "gmacs_dense": dense_gmacs(spec), "gmacs": g_mean,
+            "gmacs_ratio": g_mean / dense_gmacs(spec), "max_abs_diff_vs_eager": diff, "graph_ops": ops,
+            "rounds": rounds, "reps": reps, "runs": runs}
 
 
 def graph_ops(path: Path) -> dict[str, int]:

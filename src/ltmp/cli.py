@@ -325,14 +325,16 @@ def _bench_deployed(args, dense, reduced, images) -> int:
 
     from .bench import bench_deployed
 
-    threads = args.threads or torch.get_num_threads()
     r = {"model": args.model, "inputs": args.data_dir or "random", **bench_deployed(
-        dense, reduced, images, args.deployed, threads, warmup=args.warmup, reps=args.reps, rounds=args.rounds)}
-    d, m = r["dense_ms"], r["reduced_ms"]
-    print(f"deployed in {args.deployed} ({threads} thread{'s' * (threads > 1)}), batch 1 over {r['images']} images, "
-          f"{r['rounds']} rounds: dense {d['median']:.2f} ms (IQR {d['p25']:.2f}-{d['p75']:.2f}), {r['method']} "
-          f"{m['median']:.2f} ms (IQR {m['p25']:.2f}-{m['p75']:.2f}) per image; time ratio {r['time_ratio']:.3f} "
-          f"(IQR {r['time_ratio_iqr'][0]:.3f}-{r['time_ratio_iqr'][1]:.3f}), GMACs ratio {r['gmacs_ratio']:.3f}")
+        dense, reduced, images, args.deployed, [args.threads or torch.get_num_threads()], warmup=args.warmup,
+        reps=args.reps, rounds=args.rounds)}
+    for run in r["runs"]:
+        d, m, n = run["dense_ms"], run["reduced_ms"], run["threads"]
+        print(f"deployed in {args.deployed} ({n} thread{'s' * (n > 1)}), batch 1 over {r['images']} images, "
+              f"{r['rounds']} rounds: dense {d['median']:.2f} ms (IQR {d['p25']:.2f}-{d['p75']:.2f}), {r['method']} "
+              f"{m['median']:.2f} ms (IQR {m['p25']:.2f}-{m['p75']:.2f}) per image; time ratio {run['time_ratio']:.3f} "
+              f"(IQR {run['time_ratio_iqr'][0]:.3f}-{run['time_ratio_iqr'][1]:.3f}), GMACs ratio "
+              f"{r['gmacs_ratio']:.3f}")
     print(f"largest |logit difference| from eager: dense {r['max_abs_diff_vs_eager']['dense']:.1e}, "
           f"{r['method']} {r['max_abs_diff_vs_eager']['reduced']:.1e}; {r['machine']}, torch {r['torch']}")
     if args.json:

@@ -157,27 +157,34 @@ class _OrtSession(nn.Module):
         return torch.from_numpy(self.session.run(None, {self.input: x.numpy()})[0])
 
 
-def deploy(model: nn.Module, example: torch.Tensor, runtime: str, folder: str | os.PathLike, name: str,
-           threads: int) -> nn.Module:
-    """Export ``model`` at batch 1 and load it into a deployment runtime, as a callable module.
+def deploy(model: nn.Module, example: torch.Tensor, runtime: str, folder: str | os.PathLike, name: str) -> Path:
+    """Export ``model`` at batch 1 for a deployment runtime into ``folder``; returns the file the runtime loads
+    (:func:`load_deployed`).
 
-    - ``onnx``: the ONNX export in ONNX Runtime's CPU provider with ``threads`` intra-op threads;
-    - ``aoti``: the ``.pt2`` program compiled ahead of time by AOTInductor (a C++ shared library, needs a C++
-      compiler) and loaded with ``torch._inductor.aoti_load_package``; it runs on torch's ``threads``.
+    - ``onnx``: the ONNX export, for ONNX Runtime's CPU provider;
+    - ``aoti``: the ``.pt2`` program compiled ahead of time by AOTInductor (a C++ shared library in a package; needs
+      a C++ compiler).
     """
     if runtime not in RUNTIMES:
         raise LtmpError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIMES)}")
     suffix = ".onnx" if runtime == "onnx" else ".pt2"
     path = export_model(model, example, RUNTIMES[runtime], Path(folder) / f"{name}{suffix}")
     if runtime == "onnx":
-        return _OrtSession(path, threads)
-    torch.set_num_threads(threads)
+        return path
     try:
-        package = torch._inductor.aoti_compile_and_package(torch.export.load(str(path)),
-                                                           package_path=str(Path(folder) / f"{name}-aoti.pt2"))
+        return Path(torch._inductor.aoti_compile_and_package(torch.export.load(str(path)),
+                                                             package_path=str(Path(folder) / f"{name}-aoti.pt2")))
     except Exception as e:  # Inductor's lowering errors are long; the first line says what it could not do
         reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise LtmpError(f"AOTInductor cannot compile the {name} model ({reason}); learned thresholds' "
                         f"data-dependent token counts do not compile there yet (docs/deploy.md): use --deployed onnx"
                         ) from None
-    return _Program(torch._inductor.aoti_load_package(package))
+
+
+def load_deployed(path: str | os.PathLike, runtime: str, threads: int) -> nn.Module:
+    """A file from :func:`deploy` loaded into its runtime, as a callable module: an ONNX Runtime session with
+    ``threads`` intra-op threads, or the AOTInductor package (it runs on torch's threads: this sets them)."""
+    if runtime == "onnx":
+        return _OrtSession(Path(path), threads)
+    torch.set_num_threads(threads)
+    return _Program(torch._inductor.aoti_load_package(str(path)))
