@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .errors import LtmpError
+from .errors import LtmpError, first_line
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -50,9 +50,8 @@ def unpack_archive(archive: Path) -> Path:
                 tar.extractall(tmp, filter="data")
         except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
             shutil.rmtree(tmp, ignore_errors=True)  # no half-unpacked folder is left in the cache
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise DataError(f"cannot unpack {archive} ({reason}); pass an ImageFolder directory or a valid "
-                            f".tar.gz") from None
+            raise DataError(f"cannot unpack {archive} ({first_line(e)}); pass an ImageFolder directory or a "
+                            f"valid .tar.gz") from None
         except BaseException:  # interrupted: clean up, then stop
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -243,8 +242,7 @@ def read_images(path: str | os.PathLike, transform: Callable, limit: int) -> lis
         try:
             out.append((f.name, transform(load_rgb(f))))
         except UNREADABLE as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise LtmpError(f"cannot read image {f} ({reason}); pass a JPEG/PNG image") from None
+            raise LtmpError(f"cannot read image {f} ({first_line(e)}); pass a JPEG/PNG image") from None
     return out
 
 

@@ -14,3 +14,10 @@ class LtmpError(ValueError):
 
 class UnsupportedModelError(LtmpError, TypeError):
     """A model ``ltmp.patch`` cannot reduce (architecture, pooling, attention kind); also a ``TypeError``."""
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """What went wrong, for a one-line message: the first line of ``e`` (at most ``limit`` characters), or its
+    type's name when it has no text."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__

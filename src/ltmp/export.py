@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import LtmpError
+from .errors import LtmpError, first_line
 from .thresholds import atomic_write
 
 FORMATS = ("export", "onnx", "torchscript")
@@ -128,8 +128,7 @@ def load_exported(path: str | os.PathLike) -> nn.Module:
             return _Program(torch.export.load(str(path)).module())
         return torch.jit.load(str(path))
     except Exception as e:  # torch raises many types on a file it cannot read
-        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise LtmpError(f"cannot load exported model {path} ({reason}); pass a file written by 'ltmp export' "
+        raise LtmpError(f"cannot load exported model {path} ({first_line(e)}); pass a file written by 'ltmp export' "
                         f"(.pt2, or .pt for TorchScript)") from None
 
 
@@ -138,7 +137,7 @@ RUNTIMES = {"onnx": "onnx", "aoti": "export"}
 
 
 class _OrtSession(nn.Module):
-    """An ONNX Runtime inference session (CPU provider) as a module: one call runs the whole graph, no Python."""
+    """A graph loaded into ONNX Runtime (CPU provider) as a module: one call runs the whole graph, no Python."""
 
     def __init__(self, path: Path, threads: int):
         super().__init__()
@@ -175,15 +174,14 @@ def deploy(model: nn.Module, example: torch.Tensor, runtime: str, folder: str | 
         return Path(torch._inductor.aoti_compile_and_package(torch.export.load(str(path)),
                                                              package_path=str(Path(folder) / f"{name}-aoti.pt2")))
     except Exception as e:  # Inductor's lowering errors are long; the first line says what it could not do
-        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise LtmpError(f"AOTInductor cannot compile the {name} model ({reason}); learned thresholds' "
+        raise LtmpError(f"AOTInductor cannot compile the {name} model ({first_line(e, 300)}); learned thresholds' "
                         f"data-dependent token counts do not compile there yet (docs/deploy.md): use --deployed onnx"
                         ) from None
 
 
 def load_deployed(path: str | os.PathLike, runtime: str, threads: int) -> nn.Module:
-    """A file from :func:`deploy` loaded into its runtime, as a callable module: an ONNX Runtime session with
-    ``threads`` intra-op threads, or the AOTInductor package (it runs on torch's threads: this sets them)."""
+    """A file from :func:`deploy` loaded into its runtime, as a callable module: ONNX Runtime with ``threads``
+    intra-op threads, or the AOTInductor package (it runs on torch's threads: this sets them)."""
     if runtime == "onnx":
         return _OrtSession(Path(path), threads)
     torch.set_num_threads(threads)

@@ -9,7 +9,7 @@ import re
 import torch
 from torch import nn
 
-from .errors import LtmpError
+from .errors import LtmpError, first_line
 
 
 def create_model(name: str, pretrained: bool = False, checkpoint: str | None = None,
@@ -46,12 +46,11 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
                         f"local-dir:PATH, hf:DIR_OR_NAME or open_clip:ARCH")
     # a local-dir folder's weights are what pointing at it means (as hf: folders); a checkpoint replaces them, and
     # the pretrained weights: don't fetch them first
-    pretrained = pretrained or name.startswith("local-dir:")
+    pretrained = pretrained or kind == "local-dir"
     try:
         model = timm.create_model(name, pretrained=pretrained and not checkpoint)
     except Exception as e:  # unreachable hub, missing local-dir files, bad config: one line with the fix
-        msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise LtmpError(f"cannot create model '{name}' with pretrained={pretrained} ({msg}); offline, pass "
+        raise LtmpError(f"cannot create model '{name}' with pretrained={pretrained} ({first_line(e)}); offline, pass "
                         f"--checkpoint FILE or a local-dir:PATH model folder") from None
     if checkpoint:
         from timm.models import load_checkpoint
@@ -64,10 +63,6 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
             raise LtmpError(f"cannot load checkpoint {checkpoint} ({_checkpoint_reason(e)}); pass a timm, torch or "
                             f"safetensors state dict of {name}") from None
     return model
-
-
-def _one_line(e: Exception) -> str:
-    return (str(e).splitlines()[0][:200] if str(e) else "") or type(e).__name__
 
 
 def _checkpoint_reason(e: Exception) -> str:
@@ -84,7 +79,7 @@ def _checkpoint_reason(e: Exception) -> str:
             more = found.group(3).count('"') // 2
             return f"{found.group(1).lower()} key {found.group(2)}" + (f" and {more} more" if more else "")
         return lines[1][:200]
-    return f"{type(e).__name__}: {_one_line(e)}"
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
 def _load_state(model: nn.Module, checkpoint: str, name: str) -> None:
@@ -118,7 +113,7 @@ def _create_hf(path: str, checkpoint: str | None) -> nn.Module:
             model = transformers.AutoModelForImageClassification.from_pretrained(path)
     except Exception as e:  # unreachable hub, missing files, a model without a classification head
         where = "the folder" if os.path.isdir(path) else "no such folder here, nor on the hub (offline?):"
-        raise LtmpError(f"cannot load hf:{path} as a transformers image classifier ({where} {_one_line(e)}); pass "
+        raise LtmpError(f"cannot load hf:{path} as a transformers image classifier ({where} {first_line(e)}); pass "
                         f"a folder written by save_pretrained (offline) or a hub name") from None
     if checkpoint:
         _load_state(model, checkpoint, f"hf:{path}")
@@ -168,7 +163,7 @@ def _create_open_clip(arch: str, pretrained: bool, checkpoint: str | None, class
         try:
             open_clip.load_checkpoint(model, checkpoint)
         except Exception as e:
-            raise LtmpError(f"cannot load checkpoint {checkpoint} into open_clip:{arch} ({_one_line(e)}); pass an "
+            raise LtmpError(f"cannot load checkpoint {checkpoint} into open_clip:{arch} ({first_line(e)}); pass an "
                             f"OpenCLIP checkpoint of {arch}") from None
     visual = model.visual
     pre = getattr(visual, "preprocess_cfg", {}) or {}
@@ -184,7 +179,7 @@ def _create_open_clip(arch: str, pretrained: bool, checkpoint: str | None, class
         try:
             tokenizer = open_clip.get_tokenizer(arch)
         except Exception as e:  # a tokenizer from the hub, offline
-            raise LtmpError(f"cannot load the tokenizer of open_clip:{arch} ({_one_line(e)}); zero-shot "
+            raise LtmpError(f"cannot load the tokenizer of open_clip:{arch} ({first_line(e)}); zero-shot "
                             f"classification needs it once (online, or in the Hugging Face cache)") from None
         return ZeroShotClassifier.from_clip(model, tokenizer, classes).eval()
     return visual.eval()
