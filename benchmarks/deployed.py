@@ -13,7 +13,6 @@ of issue #39 (LTMP <= GMACs ratio + 0.06, ToMe <= + 0.04); writes ``--json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs
 from ltmp.bench import bench_deployed, compare_models, paired_ratio
-from ltmp.thresholds import atomic_write
+from ltmp.thresholds import write_json
 
 #: time ratio <= GMACs ratio + this, per method (issue #39)
 TARGET_MARGIN = {"ltmp": 0.06, "tome": 0.04}
@@ -78,7 +77,7 @@ def main() -> None:
            "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
            "torch": torch.__version__, "ltmp": ltmp.__version__, "rows": rows}
     if args.json:
-        atomic_write(Path(args.json), lambda tmp: Path(tmp).write_text(json.dumps(out, indent=2)))
+        write_json(Path(args.json), out)
 
 
 if __name__ == "__main__":

@@ -230,9 +230,9 @@ def cmd_eval(args) -> int:
               f"{test['only_a_correct']} images only this run got right, {test['only_b_correct']} only the other; "
               f"p = {test['p_value']:.4f}")
     if args.json:
-        from .thresholds import atomic_write
+        from .thresholds import write_json
 
-        atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=2)))
+        write_json(args.json, result)
     return 0
 
 
@@ -314,9 +314,9 @@ def cmd_bench(args) -> int:
           + (f", {result['allocator']}" if result["allocator"] else "")
           + (", both models under torch.compile" if args.compile else ""))
     if args.json:
-        from .thresholds import atomic_write
+        from .thresholds import write_json
 
-        atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(result, indent=2)))
+        write_json(args.json, result)
     return 0
 
 
@@ -338,9 +338,9 @@ def _bench_deployed(args, dense, reduced, images) -> int:
     print(f"largest |logit difference| from eager: dense {r['max_abs_diff_vs_eager']['dense']:.1e}, "
           f"{r['method']} {r['max_abs_diff_vs_eager']['reduced']:.1e}; {r['machine']}, torch {r['torch']}")
     if args.json:
-        from .thresholds import atomic_write
+        from .thresholds import write_json
 
-        atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(r, indent=2)))
+        write_json(args.json, r)
     return 0
 
 
@@ -400,7 +400,7 @@ def cmd_analyze(args) -> int:
     from .demo import BUNDLED_DATA
     from .patching import patch
     from .runtime import pick_device
-    from .thresholds import atomic_write
+    from .thresholds import write_json
 
     dense, name = _load_model(args)
     device = pick_device(args.device)
@@ -420,14 +420,14 @@ def cmd_analyze(args) -> int:
             print(format_allocation(summary["allocation"]))
         plot_layer_boxes(counts, out / "layers.png",
                          title=f"{name}, {method}: tokens removed per layer over {summary['images']} images")
-        atomic_write(out / "layers.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
+        write_json(out / "layers.json", summary)
         written += ["layers.png", "layers.json"]
     k = args.kendall_k
     model = _check_rates(patch(copy.deepcopy(dense), "topk-mp", k=k), "--kendall-k")
     tau = {"model": name, "method": f"topk-mp k={k}", **kendall_tau(model, loader, device, args.max_images)}
     plot_kendall(tau, out / "kendall.png", title=f"{name}: importance vs similarity of set-A tokens\n{k} merged + "
                                                 f"{k} pruned per layer, mean +- std over {tau['images']} images")
-    atomic_write(out / "kendall.json", lambda tmp: Path(tmp).write_text(json.dumps(tau, indent=2)))
+    write_json(out / "kendall.json", tau)
     written += ["kendall.png", "kendall.json"]
     print("Kendall tau per layer: " + " ".join("-" if t is None else f"{t:.2f}" for t in tau["mean"]))
     print(f"wrote {out}/: {', '.join(written)}")
@@ -481,7 +481,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_pareto(args) -> int:
-    from .thresholds import atomic_write
+    from .thresholds import write_json
     from .viz import plot_pareto
 
     results = []
@@ -494,7 +494,7 @@ def cmd_pareto(args) -> int:
     plot_pareto(results, args.output, title=args.title)
     points = Path(args.output).with_suffix(".json")
     rows = sorted(({"file": f, **r} for f, r in zip(args.evals, results)), key=lambda r: (r["method"], r["gmacs"]))
-    atomic_write(points, lambda tmp: Path(tmp).write_text(json.dumps(rows, indent=2)))
+    write_json(points, rows)
     print(f"wrote {args.output} and {points} ({len(results)} runs)")
     return 0
 

@@ -14,7 +14,6 @@ and trains for 2 epochs at batch 32 (250 steps) with ``ltmp train``'s defaults (
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from importlib import resources
 from pathlib import Path
@@ -29,7 +28,7 @@ from .flops import rate_schedule, vit_spec
 from .patching import patch
 from .runtime import create_model, pick_device
 from .significance import mcnemar
-from .thresholds import atomic_write
+from .thresholds import atomic_write, write_json
 from .train import TrainConfig, train
 
 
@@ -146,7 +145,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     summary = {"rows": rows, "output": str(out.resolve()), "seconds": time.perf_counter() - t_start,
                "threads": torch.get_num_threads(), "device": str(device), "eval_images": len(val_set),
                "accuracy": accuracy, "speed": speed}
-    atomic_write(out / "results.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=2)))
+    write_json(out / "results.json", summary)
     atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(table + "\n"))
     print(table)
     print(f"\nwrote {out.resolve()}/: results.md, results.json, accuracy_vs_gmacs.png, tokens.png "

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from . import data as ldata
 from .evaluate import evaluate
 from .runtime import amp_context, pick_device
-from .thresholds import atomic_write
+from .thresholds import atomic_write, write_json
 from .train import EpochIndexed, StepBatches, TrainError
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -88,7 +88,7 @@ def save_model_folder(model: torch.nn.Module, folder: str | Path, dtype: torch.d
     folder = Path(folder)
     tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     atomic_write(folder / "model.safetensors", lambda tmp: save_file(tensors, tmp))
-    atomic_write(folder / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(model_config(), indent=2)))
+    write_json(folder / "config.json", model_config())
 
 
 def lr_at(step: int, steps_per_epoch: int, cfg: PretrainConfig) -> float:
@@ -137,9 +137,8 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> dict:
     kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start] \
         if log_path.exists() else []
     atomic_write(log_path, lambda tmp: Path(tmp).write_text("".join(ln + "\n" for ln in kept)))
-    atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(
-        {**dataclasses.asdict(cfg), "architecture": ARCH, "model_args": MODEL_ARGS, "steps_per_epoch": spe},
-        indent=2)))
+    write_json(out / "config.json", {**dataclasses.asdict(cfg), "architecture": ARCH, "model_args": MODEL_ARGS,
+                                     "steps_per_epoch": spe})
 
     def save(step: int) -> None:
         state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}

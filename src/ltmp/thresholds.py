@@ -6,6 +6,7 @@ information only) the model name. It is a few hundred bytes.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -73,6 +74,11 @@ def atomic_write(path: str | os.PathLike, write) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """``obj`` as indented JSON in ``path``, written atomically (:func:`atomic_write`)."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2)))
 
 
 def threshold_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from .patching import THRESHOLD_NAMES, blocks, patch, score_ranges
 from .record import mean_r_flops, r_flops, stats
 from .runtime import amp_context, amp_dtype, compile_model, create_model, pick_device, require_classifier
 from .runtime import logits as logits_of
-from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors
+from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors, write_json
 
 
 class TrainError(LtmpError):
@@ -421,7 +421,7 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
         resolved = {**dataclasses.asdict(cfg), "total_steps": steps, "train_images": len(indices),
                     "world_size": ddp.world, "device": str(device), "data_config": data_cfg,
                     "torch": torch.__version__}
-        atomic_write(out / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(resolved, indent=2)))
+        write_json(out / "config.json", resolved)
         kept_lines = []
         if start and log_path.exists():
             kept_lines = [ln for ln in log_path.read_text().splitlines() if _log_step(ln) <= start]
@@ -540,7 +540,7 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
         for key in ("settle", "allocation"):
             if key in result:
                 result["eval"][key] = result[key]
-        atomic_write(out / "eval.json", lambda tmp: Path(tmp).write_text(json.dumps(result["eval"], indent=2)))
+        write_json(out / "eval.json", result["eval"])
     return result
 
 
