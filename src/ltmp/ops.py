@@ -191,10 +191,9 @@ def importance_scores(probs: Tensor, weights: Tensor | None, kind: str) -> Tenso
     """
     if kind == "cls":
         return probs[:, :, 0, :].sum(dim=1)  # (B, N)
-    if weights is None:
-        return probs.mean(dim=(1, 2))  # (B, N)
     B, H, N, _ = probs.shape
-    w = torch.cat([cast(weights, probs.dtype)] * H, dim=1).view(B, 1, H * N)  # (B, 1, H * N) 1 / (h n)
+    w = probs.new_full((B, 1, H * N), 1 / (H * N)) if weights is None else torch.cat(  # (B, 1, H * N) 1 / (h n)
+        [cast(weights, probs.dtype)] * H, dim=1).view(B, 1, H * N)  # (a matmul: ONNX Runtime's mean is 6x slower)
     with exact(probs.device.type):
         return torch.bmm(w, probs.reshape(B, H * N, N)).view(B, N)  # (B, N)
 
@@ -274,45 +273,47 @@ def head_sum(k: Tensor) -> Tensor:
     return k.sum(1)  # (B, N, D) or (T, D)
 
 
-def match(metric: Tensor, blocked: Tensor, pad: bool = False, views: bool = False) -> tuple[Tensor, Tensor]:
+def match(metric: Tensor, blocked: Tensor | None, pad: bool = False, views: bool = False, first: tuple = (0, 1)
+          ) -> tuple[Tensor, Tensor]:
     """ToMe's bipartite matching on tokens in order: set A is the even positions, set B the odd ones, and each A
     token's score is its highest cosine similarity with a B token (the first on ties). Similarities are float32 at
     least, also under autocast: bf16 rounds them to steps of 1/256 near 1, where thresholds sit.
 
     Args:
         metric: (B, N, D) the merge metric (:func:`head_sum`; any scale).
-        blocked: (B, Na, Nb) or (Na, Nb) bool, the pairs that may not merge (:func:`blocked_pairs`).
+        blocked: (B, Na, Nb) or (Na, Nb) bool, the pairs that may not merge (:func:`blocked_pairs`), or None.
+        first: the first positions of set A and of set B (even, odd): those past the prefix tokens.
         pad: add a column no token can match, so that an empty set B (one token) needs no branch on N (symbolic
             sizes); without it, that column is added when set B is empty.
         views: take sets A and B as strided views (fewer operator calls than slices; not with gradients).
 
     Returns:
         The score (B, Na), -inf where the A token cannot merge or no B token can receive (such a token never
-        passes a threshold), and the index j (B, Na) of its B token (position 2j + 1).
+        passes a threshold), and the index j (B, Na) of its B token (position ``first[1] + 2 j``).
     """
     u = cast(metric, wide(metric.dtype))
     u = u / u.norm(dim=-1, keepdim=True)  # (B, N, D)
+    (a0, b0), (B, N, D), (sB, sN, sD) = first, u.shape, u.stride()
     if views:
-        (B, N, D), (sB, sN, sD) = u.shape, u.stride()
-        a = u.as_strided((B, (N + 1) // 2, D), (sB, 2 * sN, sD))  # (B, Na, D) rows 0, 2, ...
-        bt = u.as_strided((B, D, N // 2), (sB, sD, 2 * sN), sN)  # (B, D, Nb) rows 1, 3, ... transposed
+        a = u.as_strided((B, max(N - a0 + 1, 0) // 2, D), (sB, 2 * sN, sD), u.storage_offset() + a0 * sN)  # (B, Na, D)
+        bt = u.as_strided((B, D, max(N - b0 + 1, 0) // 2), (sB, sD, 2 * sN), u.storage_offset() + b0 * sN)  # (B, D, Nb)
     else:
-        a, bt = u[:, 0::2], u[:, 1::2].transpose(1, 2)
+        a, bt = u[:, a0::2], u[:, b0::2].transpose(1, 2)
     with exact(u.device.type):
         sim = torch.bmm(a, bt)  # (B, Na, Nb)
-    sim.masked_fill_(blocked, float("-inf"))  # (B, Na, Nb)
+    sim = sim if blocked is None else sim.masked_fill_(blocked, float("-inf"))  # (B, Na, Nb)
     if pad or sim.shape[-1] == 0:
-        sim = torch.cat([sim, sim.new_full((*sim.shape[:2], 1), float("-inf"))], 2)  # (B, Na, Nb + 1)
+        sim = F.pad(sim, (0, 1), value=float("-inf"))  # (B, Na, Nb + 1)
     if sim.requires_grad:
         return sim.max(dim=-1)  # (B, Na) each
     return sim.amax(dim=-1), sim.argmax(dim=-1)  # (B, Na) each: fewer operator calls than max
 
 
-def blocked_pairs(mergeable: Tensor) -> Tensor:
+def blocked_pairs(mergeable: Tensor, first: tuple = (0, 1)) -> Tensor:
     """The (A, B) pairs of :func:`match` that may not merge, (..., Na, Nb) bool, from the tokens (..., N) that may
-    merge or receive (survivors past the prefix)."""
+    merge or receive (survivors past the prefix); ``first`` as for :func:`match`."""
     blocked = ~mergeable  # (..., N)
-    return blocked[..., 0::2, None] | blocked[..., None, 1::2]  # (..., Na, Nb)
+    return blocked[..., first[0]::2, None] | blocked[..., None, first[1]::2]  # (..., Na, Nb)
 
 
 def rank(scores: Tensor, largest: bool, earlier: Tensor | None = None) -> Tensor:

@@ -166,30 +166,27 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
         metric: (B, N, D) keys summed over heads. alive: (B, N) bool, the survivors (None: every token).
         in_order: the survivors are the first positions of each row (eval), so no reordering is needed.
     """
-    B, N, _ = metric.shape
-    patches = _patches(plan, N, cfg.num_prefix, metric.device)  # (N,)
-    order = None
-    if alive is None:  # every token: the blocked pairs are a constant
-        mergeable = None
-        blocked = constant(plan, ("blocked", N, cfg.num_prefix, metric.device), lambda: ops.blocked_pairs(patches))
-    else:
-        mergeable = alive & patches  # (B, N)
+    (B, N, _), P = metric.shape, cfg.num_prefix
+    first = (P + P % 2, P + 1 - P % 2)  # the first set-A (even) and set-B (odd) positions past the prefix
+    order = mergeable = blocked = None  # every token alive: no pair is blocked
+    if alive is not None:
+        mergeable = alive  # (B, N) the survivors (the prefix tokens, first, are outside sets A and B)
         if not in_order:  # the survivors first, in order
             order = _survivors_first(plan, alive)  # (B, N)
             metric, mergeable = metric.gather(1, order[..., None].expand(metric.shape)), mergeable.gather(1, order)
-        blocked = ops.blocked_pairs(mergeable)  # (B, Na, Nb)
-    score, j = ops.match(metric, blocked, pad=plan.symbolic, views=plan.views)  # (B, Na) each; -inf: no merge
-    src = constant(plan, ("even", B, N, metric.device), lambda: torch.arange(0, N, 2, device=metric.device).expand(
-        B, -1))  # (B, Na) set A: even positions
-    dst = torch.add(_scalar(plan, 1, j.device), j, alpha=2)  # (B, Na) 2j + 1, their B tokens' positions
-    if plan.symbolic or N < 2:
+        blocked = ops.blocked_pairs(mergeable, first)  # (B, Na, Nb)
+    score, j = ops.match(metric, blocked, pad=plan.symbolic, views=plan.views, first=first)  # (B, Na) each
+    src = constant(plan, ("set A", B, N, first[0], metric.device), lambda: torch.arange(
+        N, device=metric.device)[first[0]::2].expand(B, -1))  # (B, Na) set A's positions
+    dst = torch.add(_scalar(plan, first[1], j.device), j, alpha=2)  # (B, Na) their B tokens' positions
+    if plan.symbolic or N <= first[1]:
         dst = dst.clamp(max=N - 1)  # match's padding column (never selected) points in range
     if order is not None:
         src, dst = order.gather(1, src), order.gather(1, dst)
     cand = None  # (B, Na) set-A tokens that may merge, where needed
     if plan.train or cfg.capture is not None or cfg.fit is not None or not (cfg.learned or plan.static):
-        mergeable = patches.expand(B, N) if mergeable is None else mergeable
-        cand = mergeable[:, 0::2]
+        mergeable = _all(plan, B, N, metric.device) if mergeable is None else mergeable
+        cand = mergeable[:, first[0]::2]
     if cfg.capture is not None:
         cfg.capture.append(Captured(layer, "merge", score.detach().cpu(), cand.cpu(),
                                     None if importance is None else importance.gather(1, src).detach().cpu()))
@@ -201,7 +198,7 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
         rank = ops.rank(score, largest=True, earlier=_earlier(plan, score))  # (B, Na)
         if plan.static:
             return Merge(src, dst, None, None, rank >= _scalar(plan, rate, rank.device), cand)
-        k = torch.minimum(cand.sum(1), mergeable[:, 1::2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
+        k = torch.minimum(cand.sum(1), mergeable[:, first[1]::2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
         mask = (rank < k).to(torch.float32)  # (B, Na) train mode
     hard = mask if mask.dtype == torch.bool else mask.detach() > 0.5
     return Merge(src, dst, mask, hard, ~hard, cand)
@@ -271,9 +268,8 @@ def _scalar(plan: Plan, value: float, device: torch.device, dtype: torch.dtype |
     return constant(plan, ("scalar", value, device, dtype), lambda: torch.tensor(value, device=device, dtype=dtype))
 
 
-def _all(plan: Plan, layout: Layout, device: torch.device) -> Tensor:
+def _all(plan: Plan, B: int, N: int, device: torch.device) -> Tensor:
     """(B, N) bool, every position."""
-    B, N = layout.batch, layout.length
     return constant(plan, ("all", B, N, device), lambda: torch.ones(B, N, dtype=torch.bool, device=device))
 
 
@@ -310,16 +306,17 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
         merge_threshold, prune_threshold: learned thresholds (scalars); rate: a fixed rate's tokens here.
     """
     L = state.layout
+    B, N = L.batch, L.length
     # the survivors (B, N): train mode's kept tokens, eval's real rows (None: every position)
     alive = (None if state.keep is None else state.keep > 0.5) if plan.train else L.real
     in_order = not plan.train
-    static = static_counts(cfg, L.length, rate) if plan.static else None  # fixed rates in eval: the exact counts
+    static = static_counts(cfg, N, rate) if plan.static else None  # fixed rates in eval: the exact counts
     decisions = []
     for op in cfg.ops:
         if op == "merge":
             m = decide_merge(cfg, plan, layer, metric, alive, in_order, merge_threshold,
                              rate if static is None else static[0], importance)
-            alive = _all(plan, L, x.device).scatter(1, m.src, m.stays) if alive is None else alive.scatter(
+            alive = _all(plan, B, N, x.device).scatter(1, m.src, m.stays) if alive is None else alive.scatter(
                 1, m.src, alive.gather(1, m.src).bitwise_and(m.stays))  # (B, N)
             if importance is not None and cfg.ops[-1] == "prune":  # a merged group's importance, for pruning
                 importance = ops.group_max(importance, m.src, m.dst, m.stays)  # (B, N)
@@ -327,7 +324,7 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
         else:
             drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold,
                                             rate if static is None else static[1])
-            alive = (_all(plan, L, x.device) if alive is None else alive).bitwise_xor(drop)  # (B, N)
+            alive = (_all(plan, B, N, x.device) if alive is None else alive).bitwise_xor(drop)  # (B, N)
             in_order = False  # (ltpm) a merge after pruning splits A/B over the survivors, not the positions
             decisions.append((drop, cand, soft))
     if plan.train:
