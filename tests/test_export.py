@@ -44,14 +44,14 @@ def test_torch_export_keeps_data_dependent_token_counts(config, method, tmp_path
 
 
 @pytest.mark.parametrize("config", ["cls", "registers"])
-def test_exported_ltmp_graph_carries_no_copies_of_the_tokens_and_no_slow_reductions(config, tmp_path):
-    """In-place residual adds on the token rows become whole-tensor slice_scatter copies in an exported graph, and a
-    mean over two axes runs 6x slower in ONNX Runtime than the matmul that replaces it."""
+def test_exported_ltmp_graph_carries_no_copies_of_the_token_rows(config, tmp_path):
+    """In-place residual adds on the token rows would become whole-tensor slice_scatter copies (ScatterND in ONNX)
+    in an exported graph."""
     model = _patched(config, "ltmp")
     x = images(1, torch.float32, seed=3)
     program = torch.export.load(export_model(model, x, "export", tmp_path / "m.pt2"))
     ops = [str(n.target) for n in program.run_decompositions().graph.nodes if n.op == "call_function"]  # functional
-    assert not [o for o in ops if "slice_scatter" in o or "mean" in o], sorted(set(ops))
+    assert not [o for o in ops if "slice_scatter" in o], sorted(set(ops))
     with torch.no_grad():
         assert torch.allclose(program.module()(x), model(x), atol=1e-5, rtol=0)
 
