@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from pathlib import Path
 
 import torch
 
 from common import calibrated, load_images, load_model
-from ltmp.export import _OrtSession, export_model
+from ltmp.export import deploy, load_deployed
 
 
 def main() -> None:
@@ -31,12 +30,12 @@ def main() -> None:
     thresholds = {k: float(v) for k, v in model.state_dict().items() if k.endswith("_threshold")}
     cfg = model.ltmp_config
     with tempfile.TemporaryDirectory() as tmp:
-        session = _OrtSession(export_model(model, images[:1], "onnx", Path(tmp) / "m.onnx"), threads=1)
+        deployed = load_deployed(deploy(model, images[:1], "onnx", tmp, "ltmp"), "onnx", threads=1)
         for i in range(len(images)):
             x = images[i:i + 1]
             cfg.capture = []
             with torch.no_grad():
-                diff = float((session(x) - model(x)).abs().max())
+                diff = float((deployed(x) - model(x)).abs().max())
             nearest = min(float((c.scores[c.candidates] - thresholds[f"blocks.{c.layer}.{c.op}_threshold"]).abs().min())
                           for c in cfg.capture if c.candidates.any())
             cfg.capture = None

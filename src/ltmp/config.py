@@ -64,3 +64,8 @@ class ReduceConfig:
     @property
     def needs_metric(self) -> bool:
         return "merge" in self.ops
+
+    @property
+    def set_starts(self) -> tuple[int, int]:
+        """The first positions of ToMe's set A (even) and set B (odd) past the prefix tokens."""
+        return self.num_prefix + self.num_prefix % 2, self.num_prefix + 1 - self.num_prefix % 2

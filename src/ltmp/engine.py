@@ -252,10 +252,11 @@ def block(plan: Plan, view: BlockView, blk: nn.Module, x: Tensor, state: TokenSt
     o = view.head_norm(o)
     o = view.out(o if view.gate is None else o * view.gate(y))
     # in place in eager without gradients (x is the block's own); exported, in place on a slice would copy it whole
-    x = x + o if plan.grad or plan.symbolic else x.add_(o)
+    add = torch.add if plan.grad or plan.symbolic else Tensor.add_
+    x = add(x, o)
     x, state, step = reduce_step(x, state, cfg, plan, layer, importance, metric,
                                  getattr(blk, "merge_threshold", None), getattr(blk, "prune_threshold", None), rate)
-    return x + view.mlp(x) if plan.grad or plan.symbolic else x.add_(view.mlp(x)), state, step
+    return add(x, view.mlp(x)), state, step
 
 
 def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:

@@ -88,7 +88,7 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
     if example.shape[0] != 1:
         raise LtmpError("export takes one example image (batch 1): the exported model runs one image at a time")
     path = Path(path)
-    model = _Batch1(model.eval()).eval()
+    model = _Batch1(model).eval()
     with torch.no_grad():
         if fmt == "export":
             with exporting():  # the branch-free batch-1 step, whatever torch.compiler.is_exporting says

@@ -166,8 +166,7 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
         metric: (B, N, D) keys summed over heads. alive: (B, N) bool, the survivors (None: every token).
         in_order: the survivors are the first positions of each row (eval), so no reordering is needed.
     """
-    (B, N, _), P = metric.shape, cfg.num_prefix
-    first = (P + P % 2, P + 1 - P % 2)  # the first set-A (even) and set-B (odd) positions past the prefix
+    (B, N, _), first = metric.shape, cfg.set_starts  # sets A and B start past the prefix
     order = mergeable = blocked = None  # every token alive: no pair is blocked
     if alive is not None:
         mergeable = alive  # (B, N) the survivors (the prefix tokens, first, are outside sets A and B)
@@ -282,16 +281,16 @@ def _earlier(plan: Plan, scores: Tensor) -> Tensor:
 def static_counts(cfg: ReduceConfig, n: int, rate: int) -> tuple[int, int]:
     """The tokens a fixed rate merges and prunes in every image, from the ``n`` entering (eval: static shapes)."""
     merged, pruned = "merge" in cfg.ops, "prune" in cfg.ops
-    n_merged = tome_k(rate, n, cfg.num_prefix) if merged else 0
+    n_merged = tome_k(rate, n, cfg.set_starts) if merged else 0
     n_cand = n - n_merged - cfg.num_prefix
     n_pruned = min(rate, n_cand) - int(cfg.keep_one and 0 < n_cand <= rate) if pruned else 0
     return n_merged, n_pruned
 
 
-def tome_k(rate: int, n: int, num_prefix: int) -> int:
-    """Tokens a fixed rate merges from ``n`` tokens: at most ``rate``, and at most set A's and set B's size past
-    the prefix (the even and the odd positions)."""
-    return min(rate, len(range(num_prefix + num_prefix % 2, n, 2)), n // 2 - num_prefix // 2)
+def tome_k(rate: int, n: int, starts: tuple[int, int]) -> int:
+    """Tokens a fixed rate merges from ``n`` tokens: at most ``rate``, and at most set A's and set B's size
+    (every other position from their ``starts``, ``ReduceConfig.set_starts``)."""
+    return min(rate, len(range(starts[0], n, 2)), len(range(starts[1], n, 2)))
 
 
 def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor | None,
