@@ -28,7 +28,7 @@ from .adapters import BlockView
 from .config import ReduceConfig
 from .export import is_exporting
 from .record import Record
-from .step import Layout, Plan, StepResult, TokenState, constant, reduce_step
+from .step import Layout, Plan, StepResult, TokenState, constant, reduce_step, scalar
 
 #: Device-dependent speed choices (none changes results), with the measurement behind each value. A device type not
 #: listed takes "default". ``ReduceConfig.execution`` overrides them per model.
@@ -217,30 +217,31 @@ def attention_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Ten
     backend, importance, metric = backend_for(plan, view, keep), None, None
     if cfg.needs_metric and len(groups) > 1:  # (B, N, D) from the rows, once for all groups
         metric = layout.pad(ops.head_sum(view.k_norm(qkv.view(T, 3, H, D)[:, 1])))
-    # once for all groups, (B, N) each: the first of each position's q | k | v rows of (T * 3 H, D) (padding
-    # repeats the image's last row), its output's row (padding's to row T), eq. 17's weight of its query row
-    at, real = layout.at(), layout.real
-    first, to = at * (3 * H), at.masked_fill(~real, T)
+    # once for all groups, (B, N) each: the first of each position's q | k | v rows of (T * 3 H, D) (padding repeats
+    # the image's last row), of its output's rows of ((T + 1) * H, D) (padding's: row T's), its query row's weight
+    at, real, dev = layout.at(), layout.real, qkv.device
+    first, to = at * scalar(plan, 3 * H, dev), torch.where(real, at, scalar(plan, T, dev)) * scalar(plan, H, dev)
     weights = ops.row_weights(real, H, ops.wide(qkv.dtype)) if cfg.needs_importance else None
     for sel, n in groups:
         a, t, ls, kp, w = first, to, log_size, keep, weights  # (B, N) each
-        if sel is not None:
-            idx = torch.tensor(sel, device=qkv.device)  # (b,)
-            a, t, ls, kp, w = (None if u is None else u.index_select(0, idx)[:, :n] for u in (a, t, ls, kp, w))
+        if sel is not None:  # the group's positions (b * n,) in the flat batch (B * N)
+            pos = torch.from_numpy((np.array(sel)[:, None] * N + np.arange(n)).ravel()).to(dev)
+            a, t, ls, kp, w = (None if u is None else u.view(-1).index_select(0, pos).view(-1, n)
+                               for u in (a, t, ls, kp, w))  # (b, n) each
         full = sel is not None and all(layout.counts[i] == n for i in sel)  # a group without padding
         rows = a.view(1, -1, 1, n) + heads_in  # (3, b, H, n) rows of (T * 3 H, D)
         q, k, v = qkv.view(-1, D).index_select(0, rows.view(-1)).view(3, *rows.shape[1:], D).unbind(0)
         o, imp, met = attention(plan, view, cfg, backend, q, k, v, None if full else kp, ls, None if full else w,
                                 metric=sel is None)  # (b, H, n, D), (b, n), (b, n, D) or None
         if o.is_contiguous():  # head by head into the rows
-            out.index_copy_(0, (t.view(-1, 1, n) * H + heads_out).view(-1), o.view(-1, D))
-        else:  # a fused kernel's (b, n, H, D) layout: whole rows
-            out.view(T + 1, H * D).index_copy_(0, t.view(-1), merge_heads(plan, o, (o.shape[0] * n, H * D)))
+            out.index_copy_(0, (t.view(-1, 1, n) + heads_out).view(-1), o.view(-1, D))
+        else:  # a fused kernel's (b, n, H, D) layout
+            out.index_copy_(0, (t.view(-1, n, 1) + heads_out.view(1, 1, H)).view(-1), o.transpose(1, 2).reshape(-1, D))
         if sel is None:
             importance, metric = imp, met
         elif imp is not None:
             importance = imp.new_zeros(B, N) if importance is None else importance
-            importance[:, :n].index_copy_(0, idx, imp)
+            importance.view(-1).index_copy_(0, pos, imp.view(-1))
     return out.view(T + 1, H * D)[:T], importance, metric
 
 

@@ -313,7 +313,7 @@ def blocked_pairs(mergeable: Tensor, first: tuple = (0, 1)) -> Tensor:
     """The (A, B) pairs of :func:`match` that may not merge, (..., Na, Nb) bool, from the tokens (..., N) that may
     merge or receive (survivors past the prefix); ``first`` as for :func:`match`."""
     blocked = ~mergeable  # (..., N)
-    return blocked[..., first[0]::2, None] | blocked[..., None, first[1]::2]  # (..., Na, Nb)
+    return blocked[..., first[0]::2, None].bitwise_or(blocked[..., None, first[1]::2])  # (..., Na, Nb)
 
 
 def rank(scores: Tensor, largest: bool, earlier: Tensor | None = None) -> Tensor:
@@ -325,26 +325,27 @@ def rank(scores: Tensor, largest: bool, earlier: Tensor | None = None) -> Tensor
     alike), in O(M^2) comparisons per row.
 
     Args:
-        scores: (B, M). earlier: (M, M) bool, [i, j] true where j < i (the caller may keep it; made here if not
-            given).
+        scores: (B, M). earlier: (M, M) bool or 0/1, [i, j] true where j < i (the caller may keep it, in the
+            scores' dtype; made here if not given).
 
     Returns:
-        (B, M) the ranks, 0 for the best.
+        (B, M) the ranks, 0 for the best, in the scores' dtype.
     """
-    if earlier is None:
-        earlier = torch.ones(scores.shape[1], scores.shape[1], dtype=torch.bool, device=scores.device).tril(-1)
     B, M = scores.shape
-    si, sj = scores.view(B, M, 1), scores.view(B, 1, M)
-    better = sj > si if largest else sj < si  # (B, M, M) [b, i, j]: j scores better than i
-    # (B, M, M) j comes before i; bitwise ops, not torch.where: ONNX Runtime has no Where on bool tensors
-    before = better.bitwise_or_((sj == si).bitwise_and_(earlier))
-    return before.sum(-1)  # (B, M)
+    if earlier is None:
+        earlier = torch.ones(M, M, dtype=torch.bool, device=scores.device).tril(-1)
+    big = torch.finfo(scores.dtype).max  # -inf (+inf) as a finite extreme: no difference is then NaN
+    s = scores.clamp_min(-big) if largest else scores.clamp_max(big)  # (B, M)
+    si, sj = s.view(B, M, 1), s.view(B, 1, M)
+    better = sj - si if largest else si - sj  # (B, M, M) [b, i, j]: > 0 where j scores better than i
+    # j comes before i: 1 where it scores better, ``earlier`` where equal (a float sum: no cast of a bool)
+    return torch.heaviside(better, cast(earlier, better.dtype)).sum(-1)  # (B, M)
 
 
 def group_max(importance: Tensor, src: Tensor, dst: Tensor, stays: Tensor) -> Tensor:
     """A merged group's importance is its members' max (as in the reference code): the tokens at ``src`` (B, K)
     join the tokens at ``dst`` (B, K) except where they ``stays`` (B, K); importance (B, N)."""
-    moved = importance.gather(1, src).masked_fill(stays, float("-inf"))  # (B, K)
+    moved = importance.gather(1, src).masked_fill_(stays, float("-inf"))  # (B, K)
     return importance.scatter_reduce(1, dst, moved, reduce="amax", include_self=True)  # (B, N)
 
 

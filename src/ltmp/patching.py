@@ -37,20 +37,10 @@ def blocks(model: nn.Module) -> Sequence[nn.Module]:
     return adapter_for(model).blocks(model)
 
 
-def patch(
-        model: nn.Module,
-        method: str = "ltmp",
-        *,
-        tau: float = 0.1,
-        importance: str = "mean",
-        merge_threshold: float | None = None,
-        prune_threshold: float | None = None,
-        r: int | Sequence[int] | None = None,
-        k: int | Sequence[int] | None = None,
-        trace_source: bool = False,
-        mask_grad: str = "secant",
-        merge_grad: str = "average",
-) -> nn.Module:
+def patch(model: nn.Module, method: str = "ltmp", *, tau: float = 0.1, importance: str = "mean",
+          merge_threshold: float | None = None, prune_threshold: float | None = None,
+          r: int | Sequence[int] | None = None, k: int | Sequence[int] | None = None, trace_source: bool = False,
+          mask_grad: str = "secant", merge_grad: str = "average") -> nn.Module:
     """Make a vision transformer reduce its tokens with LTMP or a fixed-rate baseline, in place.
 
     In train mode every token stays in the tensor behind a straight-through keep mask (differentiable w.r.t. the

@@ -89,7 +89,7 @@ class Layout:
     def index(self) -> Tensor | None:
         """The flat position (b * N + j) of each row (T,); None when dense."""
         if self._index is None and self.counts is not None:
-            self._index = torch.nonzero_static(self.real.view(-1), size=self.rows).squeeze(1)  # (T,) no host read
+            self._index = torch.nonzero_static(self.real.view(-1), size=self.rows).view(-1)  # (T,) no host read
         return self._index
 
     def pad(self, rows: Tensor) -> Tensor:
@@ -177,7 +177,7 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
     score, j = ops.match(metric, blocked, pad=plan.symbolic, views=plan.views, first=first)  # (B, Na) each
     src = constant(plan, ("set A", B, N, first[0], metric.device), lambda: torch.arange(
         N, device=metric.device)[first[0]::2].expand(B, -1))  # (B, Na) set A's positions
-    dst = torch.add(_scalar(plan, first[1], j.device), j, alpha=2)  # (B, Na) their B tokens' positions
+    dst = torch.add(scalar(plan, first[1], j.device), j, alpha=2)  # (B, Na) their B tokens' positions
     if plan.symbolic or N <= first[1]:
         dst = dst.clamp(max=N - 1)  # match's padding column (never selected) points in range
     if order is not None:
@@ -196,7 +196,7 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
     else:  # the k best matched, k = min(rate, |A|, |B|) per image
         rank = ops.rank(score, largest=True, earlier=_earlier(plan, score))  # (B, Na)
         if plan.static:
-            return Merge(src, dst, None, None, rank >= _scalar(plan, rate, rank.device), cand)
+            return Merge(src, dst, None, None, rank >= scalar(plan, rate, rank.device, rank.dtype), cand)
         k = torch.minimum(cand.sum(1), mergeable[:, first[1]::2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
         mask = (rank < k).to(torch.float32)  # (B, Na) train mode
     hard = mask if mask.dtype == torch.bool else mask.detach() > 0.5
@@ -220,16 +220,16 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
     if cfg.capture is not None:
         cfg.capture.append(Captured(layer, "prune", importance.detach().cpu(), cand.cpu(), None))
     if not cfg.learned:  # the k least important candidates; with keep_one, k leaves one
-        last = torch.where(cand, importance, _scalar(plan, math.inf, importance.device, importance.dtype))  # (B, N)
+        last = torch.where(cand, importance, scalar(plan, math.inf, importance.device, importance.dtype))  # (B, N)
         rank = ops.rank(last, largest=False, earlier=_earlier(plan, importance))  # (B, N)
         if plan.static:  # k is at most the candidates: the others rank after them
-            return rank < _scalar(plan, rate, rank.device), cand, None
+            return rank < scalar(plan, rate, rank.device, rank.dtype), cand, None
         drop = rank < (cand.sum(1, keepdim=True) - int(cfg.keep_one)).clamp(0, rate)  # (B, N)
         return drop, cand, (~drop).to(importance.dtype)
     if cfg.fit is not None:
         _fit(threshold, importance[cand], cfg.fit[1], largest=False)
     kept = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) eq. 1-2
-    drop = cand & ~(kept if kept.dtype == torch.bool else kept.detach() > 0.5)
+    drop = cand.bitwise_and(~(kept if kept.dtype == torch.bool else kept.detach() > 0.5))
     soft = None if kept.dtype == torch.bool else kept
     if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
         top = importance.detach().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
@@ -262,7 +262,7 @@ def _patches(plan: Plan, n: int, num_prefix: int, device: torch.device, batch: i
     return constant(plan, ("patches", n, num_prefix, device), lambda: torch.arange(n, device=device) >= num_prefix)
 
 
-def _scalar(plan: Plan, value: float, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
+def scalar(plan: Plan, value: float, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
     """A 0-d tensor: an operation with it is one operator call, with a Python number five."""
     return constant(plan, ("scalar", value, device, dtype), lambda: torch.tensor(value, device=device, dtype=dtype))
 
@@ -273,9 +273,9 @@ def _all(plan: Plan, B: int, N: int, device: torch.device) -> Tensor:
 
 
 def _earlier(plan: Plan, scores: Tensor) -> Tensor:
-    """(M, M) bool, [i, j]: position j comes before position i (:func:`ltmp.ops.rank`)."""
-    n, device = scores.shape[1], scores.device
-    return constant(plan, ("earlier", n, device), lambda: torch.ones(n, n, dtype=torch.bool, device=device).tril(-1))
+    """(M, M) 1 where position j comes before position i ([i, j]), else 0, in the scores' dtype (:func:`ops.rank`)."""
+    n, device, dt = scores.shape[1], scores.device, scores.dtype
+    return constant(plan, ("earlier", n, device, dt), lambda: torch.ones(n, n, dtype=dt, device=device).tril(-1))
 
 
 def static_counts(cfg: ReduceConfig, n: int, rate: int) -> tuple[int, int]:
@@ -394,10 +394,8 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
     merge = next((d for d in decisions if isinstance(d, Merge)), None)
     drop = next((d[0] for d in decisions if not isinstance(d, Merge)), None)
     if static is not None:  # fixed rates: every image removes the same number of tokens
-        n_merged, n_pruned = static
-        n_new = N - n_merged - n_pruned
-        counts, result = None, StepResult(merged=n_merged, pruned=n_pruned, kept=n_new - P, kept_frac=n_new - P)
-        T_new = B * n_new
+        n_new = N - sum(static)
+        counts, T_new, result = None, B * n_new, StepResult(*static, kept=n_new - P, kept_frac=n_new - P)
     else:
         count_t = alive.sum(1)  # (B,)
         counts = count_t.tolist()  # the host read
@@ -408,7 +406,7 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
                             kept=kept, kept_frac=kept)
         n_new, T_new = max(counts), sum(counts)
     flat = alive.view(-1)  # (B * N,)
-    slot = torch.where(flat, flat.cumsum(0), _scalar(plan, 0, x.device))  # (B * N,) survivors' new rows from 1,
+    slot = torch.where(flat, flat.cumsum(0), scalar(plan, 0, x.device))  # (B * N,) survivors' new rows from 1,
     #                                                                        0 (cut) the others
     if merge is not None:  # a merged token joins its target's row (row 0 if the target was pruned)
         at = slot.view(B, N)  # (B, N)
@@ -421,4 +419,6 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
         layout = Layout(B, n_new)
     else:
         layout = Layout(B, n_new, counts, positions(plan, n_new, x.device) < count_t[:, None])  # real (B, n_new)
-    return x[1:], TokenState(size[1:], layout, None, None if source is None else source[1:], average), result
+    def rest(t: Tensor) -> Tensor:  # t[1:]: where the plan allows a strided view, one operator call (a slice: two)
+        return t.as_strided((len(t) - 1, *t.shape[1:]), t.stride(), t.stride(0)) if plan.views else t[1:]  # t is new
+    return rest(x), TokenState(rest(size), layout, None, None if source is None else rest(source), average), result
