@@ -389,8 +389,8 @@ PREREG_RECIPES = {
     "adam": ["--budget", "penalty", "--optimizer", "adam"],
 }
 FIXED = {"ltmp": "tome", "ltp": "topk-prune"}  # the fixed-rate counterpart of each learned method in claim 8
-DEFAULT_RECIPE = "sgd"  # the key of PREREG_RECIPES that is ltmp train's default
-BEFORE_RECIPE = "adam"  # ... and the key of the default before issue #36
+DEFAULT_RECIPE = "sgd"  # the key of PREREG_RECIPES that was chosen as ltmp train's default in #36
+BEFORE_RECIPE = "adam"  # ... and the key of the default before issue #36 (ltp's again, by claim 8's rule)
 
 
 def prereg_runs(jobs: Jobs, method: str, t: float, seed: int) -> dict:
@@ -922,6 +922,17 @@ def claim8(c8: dict, tests: Tests, S: list) -> list[str]:
             f"{sum(d < 0 and p < 0.05 for d, p in done)}, level at {sum(p >= 0.05 for _, p in done)} of {len(rows)}")
         paper = {"even": f"{M} better" if method == "ltmp" else "+1.7 (r 0.5)"}.get(kind, "-")
         S.append((f"8. {claim} ({len(PREREG_SEEDS)} seeds pooled)", paper, ours, verdict))
+    outcome = []  # the decision rule's last sentence, applied per method (ltmp.train.METHOD_OPTIMIZER follows it)
+    for method in fixed_name:
+        rows = verdicts.get((method, "recipe"), [])
+        if rows and all(d is not None for _, d, _ in rows):
+            worse = [f"r {t}" for t, d, adj in rows if d < 0 and adj < 0.05]
+            outcome.append(f"{method.upper()}: worse at {', '.join(worse)}, so `ltmp train --method {method}` uses "
+                           "the recipe before #36 again" if worse else
+                           f"{method.upper()}: not worse at any budget, so the default since #36 stays")
+    if outcome:
+        L += [f"**Outcome of the decision rule** for the default since #36: {'; '.join(outcome)} "
+              "(`ltmp.train.METHOD_OPTIMIZER`).", ""]
     return L
 
 

@@ -36,7 +36,7 @@ def _damaged(src: Path, dst: Path, tau: str = "0.1", nan_block: int | None = Non
 @pytest.fixture
 def ws(tiny_model, tiny_data, tmp_path, tmp_path_factory, monkeypatch):  # noqa: F811
     """A workspace of things a user made: trained thresholds, an interrupted run, damaged files, odd folders."""
-    from ltmp.train import TrainConfig, save_checkpoint
+    from ltmp.train import TrainConfig, resolve, save_checkpoint
 
     cache = tmp_path_factory.mktemp("cache")
     monkeypatch.setenv("LTMP_CACHE", str(cache))
@@ -44,8 +44,8 @@ def ws(tiny_model, tiny_data, tmp_path, tmp_path_factory, monkeypatch):  # noqa:
     model = ltmp.patch(ltmp.runtime.create_model(tiny_model), "ltmp", merge_threshold=0.8, prune_threshold=0.01)
     ltmp.save_thresholds(model, tmp_path / "T.safetensors")
     run = tmp_path / "run"
-    cfg = TrainConfig(model=tiny_model, data_dir=str(tiny_data), output=str(run), r_target=0.6, batch_size=8,
-                      steps=4, checkpoint_every=2, workers=0)
+    cfg = resolve(TrainConfig(model=tiny_model, data_dir=str(tiny_data), output=str(run), r_target=0.6, batch_size=8,
+                              steps=4, checkpoint_every=2, workers=0))  # as train() saves it: defaults filled in
     save_checkpoint(model, run / "checkpoint.safetensors", 2, cfg)
     (run / "log.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     _damaged(tmp_path / "T.safetensors", tmp_path / "tau.safetensors", tau="abc")

@@ -104,8 +104,9 @@ def test_train_settles_the_budget_on_held_out_images(tiny_model, tiny_data, tmp_
 
 
 def test_optimizer_defaults_fill_only_what_is_not_given():
-    """The default, SGD, has the paper's learning rates on its one ImageNet epoch (9809 steps of 128) and moves the
-    thresholds as far in a run of any other length; Adam's are per step. A value given is kept."""
+    """The default of the methods that merge, SGD, has the paper's learning rates on its one ImageNet epoch (9809
+    steps of 128) and moves the thresholds as far in a run of any other length; Adam's, ltp's default, are per
+    step. A value given is kept."""
     from ltmp.train import TrainConfig, resolve
 
     base = dict(model="m", data_dir="d", output="o", r_target=0.5)
@@ -118,6 +119,10 @@ def test_optimizer_defaults_fill_only_what_is_not_given():
     assert (unknown.lr_merge, unknown.lr_prune, unknown.merge_init) == (None, None, 1.0)
     adam = resolve(TrainConfig(**base, optimizer="adam", lr_prune=1e-3), steps=351)
     assert (adam.lr_merge, adam.lr_prune, adam.merge_init) == (2e-3, 1e-3, 1.0)
+    ltp = resolve(TrainConfig(**base, method="ltp"), steps=351)  # learned pruning alone: Adam (issue #36)
+    assert (ltp.optimizer, ltp.lr_prune) == ("adam", 2e-4)
+    assert resolve(TrainConfig(**base, method="ltp", optimizer="sgd"), steps=9809).lr_prune == 5e-6
+    assert [resolve(TrainConfig(**base, method=m)).optimizer for m in ("ltmp", "ltpm", "ltm")] == ["sgd"] * 3
 
 
 def test_distill_mixes_label_and_teacher_terms(tiny_model, tiny_data, tmp_path, capsys):

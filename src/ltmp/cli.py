@@ -559,10 +559,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prune thresholds' learning rate (sgd: the paper's 5e-6 times 9809 / steps; adam: 2e-4)")
     t.add_argument("--lr-merge", type=NONNEG,
                    help="merge thresholds' learning rate (sgd: the paper's 5e-3 times 9809 / steps; adam: 2e-3)")
-    t.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "group"],
+    t.add_argument("--optimizer", choices=["sgd", "adam", "group"],
                    help="sgd (the paper's, no momentum; its learning rates scaled to the run's length), adam "
                         "(each threshold's step normalised by its gradient) or group (normalised per group: "
-                        "merge, prune)")
+                        "merge, prune); default: adam for --method ltp, sgd for the methods that merge")
     t.add_argument("--merge-init", type=FINITE,
                    help="initial merge thresholds (default 1.0: no reduction; the paper's code: 0.9)")
     t.add_argument("--prune-init", type=FINITE, default=0.0)
