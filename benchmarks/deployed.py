@@ -3,13 +3,14 @@ the same way, beside eager PyTorch; the paper's latency table is such a measurem
 
 Rows: the DeiT-S shape (random weights, bundled CIFAR-10 test images upsampled to 224) with LTMP calibrated to
 r_FLOPs 0.5 (``common.calibrated``) and ToMe at LTMP's GMACs; the CIFAR-10 ViT with LTMP calibrated to r 0.5 and ToMe
-at its GMACs. Each is timed in ONNX Runtime (``ltmp.bench.bench_deployed``, the path of ``ltmp bench --deployed
-onnx``) with 1 and 2 threads, and in eager PyTorch at batch 1 (``ltmp.bench.compare_models``), one image at a time
-over ``--images`` images, ``--rounds`` interleaved rounds; ``--runs`` times each deployed pair that many times
-(exported and loaded anew; eager once). Prints ratios with quartiles over rounds and the targets
-of issue #39 (LTMP <= GMACs ratio + 0.06, ToMe <= + 0.04); writes ``--json``.
+at its GMACs. Each is timed in ONNX Runtime or the ``--runtime`` given (``ltmp.bench.bench_deployed``, the path of
+``ltmp bench --deployed RUNTIME``) with 1 and 2 threads, and in eager PyTorch at batch 1
+(``ltmp.bench.compare_models``), one image at a time over ``--images`` images, ``--rounds`` interleaved rounds;
+``--runs`` times each deployed pair that many times (exported and loaded anew; eager once). Prints ratios with
+quartiles over rounds and the targets of issue #39 (LTMP <= GMACs ratio + 0.06, ToMe <= + 0.04); writes ``--json``.
 
     python benchmarks/deployed.py --json results/deployed.json
+    python benchmarks/deployed.py --runtime openvino --runs 1 --json results/deployed-openvino.json
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3, help="times each deployed pair is exported and timed anew")
-    ap.add_argument("--runtime", default="onnx", choices=["onnx", "aoti"])
+    ap.add_argument("--runtime", default="onnx", choices=["onnx", "openvino", "aoti"])
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     rows = []

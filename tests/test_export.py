@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 
 import pytest
@@ -131,20 +132,22 @@ def test_exported_models_decide_as_eager_on_real_images(method, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_deployed_times_both_models_exported_in_onnxruntime(tiny_model, tiny_data, tmp_path, capsys):  # noqa: F811
-    """ltmp bench --deployed onnx: dense and reduced exported alike, run in ONNX Runtime one image at a time; each
-    equals its eager model, and the GMACs ratio is the reduced model's own on those images."""
-    pytest.importorskip("onnxruntime")
+@pytest.mark.parametrize("runtime,package", [("onnx", "onnxruntime"), ("openvino", "openvino")])
+def test_bench_deployed_times_both_models_exported_in_the_runtime(runtime, package, tiny_model, tiny_data,  # noqa: F811
+                                                                  tmp_path, capsys):
+    """ltmp bench --deployed onnx / openvino: dense and reduced exported alike, run in the runtime one image at a
+    time; each equals its eager model, and the GMACs ratio is the reduced model's own on those images."""
+    pytest.importorskip(package)
     out = tmp_path / "deployed.json"
-    assert main(["--quiet", "bench", "--model", tiny_model, "--method", "tome", "--r", "3", "--deployed", "onnx",
+    assert main(["--quiet", "bench", "--model", tiny_model, "--method", "tome", "--r", "3", "--deployed", runtime,
                  "--data-dir", str(tiny_data), "--images", "4", "--reps", "1", "--rounds", "2", "--warmup", "1",
                  "--threads", "1", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert (r["runtime"], r["images"], r["method"], [run["threads"] for run in r["runs"]]) == ("onnx", 4, "tome", [1])
+    assert (r["runtime"], r["images"], r["method"], [run["threads"] for run in r["runs"]]) == (runtime, 4, "tome", [1])
     assert max(r["max_abs_diff_vs_eager"].values()) < 1e-4
     assert r["runs"][0]["time_ratio"] > 0 and r["runs"][0]["dense_ms"]["median"] > 0
     assert r["graph_ops"]["dense"]["MatMul"] > 0 and sum(r["graph_ops"]["reduced"].values()) > 0
-    assert "deployed in onnx (1 thread), batch 1 over 4 images" in capsys.readouterr().out
+    assert f"deployed in {runtime} (1 thread), batch 1 over 4 images" in capsys.readouterr().out
     assert main(["--quiet", "eval", "--model", tiny_model, "--method", "tome", "--r", "3", "--data-dir",
                  str(tiny_data), "--max-images", "4", "--workers", "0", "--json", str(tmp_path / "e.json")]) == 0
     assert r["gmacs_ratio"] == pytest.approx(json.loads((tmp_path / "e.json").read_text())["gmacs_ratio"], rel=1e-9)
@@ -165,3 +168,34 @@ def test_aoti_runs_fixed_rates_as_eager_and_refuses_learned_thresholds_in_one_li
         assert torch.allclose(runner(x), w, atol=1e-4, rtol=0)
     with pytest.raises(ltmp.LtmpError, match=r"AOTInductor cannot compile the ltmp model \(.*use --deployed onnx"):
         deploy(_patched("cls", "ltmp"), xs[0], "aoti", tmp_path, "ltmp")
+
+
+@pytest.mark.slow
+def test_openvino_keeps_data_dependent_token_counts_and_equals_eager(tmp_path):
+    """OpenVINO, the second deployment runtime that installs from the registry: one ONNX graph of learned thresholds
+    serves images that keep different token counts, each equal to eager; and a ToMe schedule whose last block
+    attends over as many tokens as there are heads (3), where OpenVINO 2026.4's MHA kernels compute wrong outputs
+    unless ltmp turns them off."""
+    pytest.importorskip("openvino")
+    from ltmp.export import deploy, load_deployed
+
+    xs = [x[None] for x in images(6, torch.float32, seed=3)]
+    tome = ltmp.patch(make_model("cls", torch.float32, depth=6), "tome", r=[32, 16, 8, 4, 2, 1]).eval()
+    for name, model in (("ltmp", _patched("cls", "ltmp")), ("tome", tome)):
+        want, kept = _eager(model, xs)
+        assert len(set(kept)) > 1 if name == "ltmp" else kept == [1] * len(xs), kept  # 1 patch + class token
+        runner = load_deployed(deploy(model, xs[0], "openvino", tmp_path, name), "openvino", 1)
+        for x, w in zip(xs, want):
+            assert torch.allclose(runner(x), w, atol=1e-4, rtol=0), (name, (runner(x) - w).abs().max())
+
+
+@pytest.mark.parametrize("runtime,package,message", [
+    ("onnx", "onnxruntime", "--deployed onnx needs ONNX Runtime: pip install 'ltmp[export]'"),
+    ("openvino", "openvino", "--deployed openvino needs OpenVINO: pip install 'ltmp[openvino]'")])
+def test_a_missing_runtime_is_one_error_naming_the_extra(runtime, package, message, monkeypatch, tmp_path):
+    from ltmp.export import load_deployed
+
+    monkeypatch.setitem(sys.modules, package, None)  # import fails as if it were not installed
+    with pytest.raises(ltmp.LtmpError) as e:
+        load_deployed(tmp_path / "m.onnx", runtime, 1)
+    assert str(e.value) == message

@@ -161,7 +161,7 @@ def bench_deployed(dense: nn.Module, reduced: nn.Module, images: torch.Tensor, r
     Args:
         dense, reduced: The eager models (CPU, eval mode).
         images: (N, 3, H, W) images; the first is the export example.
-        runtime: ``onnx`` (ONNX Runtime, CPU provider) or ``aoti`` (AOTInductor).
+        runtime: ``onnx`` (ONNX Runtime, CPU provider), ``openvino`` (OpenVINO, CPU) or ``aoti`` (AOTInductor).
         threads: Intra-op thread counts to time with (both models exported once).
 
     Returns:
@@ -171,7 +171,7 @@ def bench_deployed(dense: nn.Module, reduced: nn.Module, images: torch.Tensor, r
     """
     import tempfile
 
-    from .export import deploy, load_deployed
+    from .export import RUNTIMES, deploy, load_deployed
 
     spec = vit_spec(dense)
     singles = [x[None] for x in images]  # (1, 3, H, W) each
@@ -193,7 +193,7 @@ def bench_deployed(dense: nn.Module, reduced: nn.Module, images: torch.Tensor, r
             runs.append({"threads": n, "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
                          **{f"{name}_ms": {k: 1000 * timed[name][k] / len(singles) for k in ("median", "p25", "p75")}
                             for name in models}})
-        ops = {name: graph_ops(path) for name, path in files.items()} if runtime == "onnx" else None
+        ops = {name: graph_ops(path) for name, path in files.items()} if RUNTIMES[runtime] == "onnx" else None
     g_mean = float(gmacs(spec, torch.cat(kept)).mean())
     return {"runtime": runtime, "images": len(singles), "method": reduced.ltmp_config.method,
             "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),

@@ -619,9 +619,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reduction_args(b)
     b.add_argument("--batch-size", type=COUNT, default=32, help="throughput batch (batch 1 is always timed)")
     b.add_argument("--exported", help="also time this ltmp export file (.pt2 or TorchScript) at batch 1")
-    b.add_argument("--deployed", choices=["onnx", "aoti"],
+    b.add_argument("--deployed", choices=["onnx", "openvino", "aoti"],
                    help="time both models exported and run in a deployment runtime, one image at a time: ONNX "
-                        "Runtime (CPU) or AOTInductor (needs a C++ compiler); docs/deploy.md")
+                        "Runtime (CPU), OpenVINO (CPU) or AOTInductor (needs a C++ compiler); docs/deploy.md")
     b.add_argument("--images", type=COUNT, default=60, help="--deployed: images each repetition runs in turn")
     b.add_argument("--data-dir", help="time on the first images of this eval split (default: random input)")
     b.add_argument("--val-split", default="val")

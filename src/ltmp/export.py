@@ -133,7 +133,7 @@ def load_exported(path: str | os.PathLike) -> nn.Module:
 
 
 #: runtimes ``ltmp bench --deployed`` times exported models in, with the format each one runs
-RUNTIMES = {"onnx": "onnx", "aoti": "export"}
+RUNTIMES = {"onnx": "onnx", "openvino": "onnx", "aoti": "export"}
 
 
 class _OrtSession(nn.Module):
@@ -156,33 +156,53 @@ class _OrtSession(nn.Module):
         return torch.from_numpy(self.session.run(None, {self.input: x.numpy()})[0])
 
 
+class _OpenVino(nn.Module):
+    """An ONNX graph compiled by OpenVINO for the CPU, for one image at a time (latency hint, one stream).
+
+    Its MHA subgraph kernels ("snippets") are off: in OpenVINO 2026.4 they give wrong attention outputs in a block
+    whose static token count equals its head count (ToMe's last blocks can get there; docs/deploy.md)."""
+
+    def __init__(self, path: Path, threads: int):
+        super().__init__()
+        try:
+            import openvino as ov
+        except ImportError:
+            raise LtmpError("--deployed openvino needs OpenVINO: pip install 'ltmp[openvino]'") from None
+        self.__dict__["compiled"] = ov.Core().compile_model(str(path), "CPU", {
+            "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1,
+            "SNIPPETS_MODE": "DISABLE"})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.compiled(x.numpy())[0])
+
+
 def deploy(model: nn.Module, example: torch.Tensor, runtime: str, folder: str | os.PathLike, name: str) -> Path:
     """Export ``model`` at batch 1 for a deployment runtime into ``folder``; returns the file the runtime loads
     (:func:`load_deployed`).
 
-    - ``onnx``: the ONNX export, for ONNX Runtime's CPU provider;
+    - ``onnx``, ``openvino``: the ONNX export, for ONNX Runtime's CPU provider or OpenVINO's CPU plugin;
     - ``aoti``: the ``.pt2`` program compiled ahead of time by AOTInductor (a C++ shared library in a package; needs
       a C++ compiler).
     """
     if runtime not in RUNTIMES:
         raise LtmpError(f"unknown runtime '{runtime}'; choose one of: {', '.join(RUNTIMES)}")
-    suffix = ".onnx" if runtime == "onnx" else ".pt2"
+    suffix = ".onnx" if RUNTIMES[runtime] == "onnx" else ".pt2"
     path = export_model(model, example, RUNTIMES[runtime], Path(folder) / f"{name}{suffix}")
-    if runtime == "onnx":
+    if RUNTIMES[runtime] == "onnx":
         return path
     try:
         return Path(torch._inductor.aoti_compile_and_package(torch.export.load(str(path)),
                                                              package_path=str(Path(folder) / f"{name}-aoti.pt2")))
     except Exception as e:  # Inductor's lowering errors are long; the first line says what it could not do
         raise LtmpError(f"AOTInductor cannot compile the {name} model ({first_line(e, 300)}); learned thresholds' "
-                        f"data-dependent token counts do not compile there yet (docs/deploy.md): use --deployed onnx"
-                        ) from None
+                        f"data-dependent token counts do not compile there yet (docs/deploy.md): use --deployed onnx "
+                        f"or openvino") from None
 
 
 def load_deployed(path: str | os.PathLike, runtime: str, threads: int) -> nn.Module:
-    """A file from :func:`deploy` loaded into its runtime, as a callable module: ONNX Runtime with ``threads``
-    intra-op threads, or the AOTInductor package (it runs on torch's threads: this sets them)."""
-    if runtime == "onnx":
-        return _OrtSession(Path(path), threads)
+    """A file from :func:`deploy` loaded into its runtime, as a callable module: ONNX Runtime or OpenVINO with
+    ``threads`` threads, or the AOTInductor package (it runs on torch's threads: this sets them)."""
+    if runtime in ("onnx", "openvino"):
+        return (_OrtSession if runtime == "onnx" else _OpenVino)(Path(path), threads)
     torch.set_num_threads(threads)
     return _Program(torch._inductor.aoti_load_package(str(path)))
