@@ -159,8 +159,9 @@ class _OrtSession(nn.Module):
 class _OpenVino(nn.Module):
     """An ONNX graph compiled by OpenVINO for the CPU, for one image at a time (latency hint, one stream).
 
-    Its MHA subgraph kernels ("snippets") are off: in OpenVINO 2026.4 they give wrong attention outputs in a block
-    whose static token count equals its head count (ToMe's last blocks can get there; docs/deploy.md)."""
+    Its fused attention kernels ("snippets") are off: in OpenVINO 2026.4 they give wrong attention outputs where a
+    block's fixed token count equals its head count (ToMe's last blocks can get there), and at some dynamic token
+    counts, depending on the counts run before (docs/deploy.md, benchmarks/openvino_check.py)."""
 
     def __init__(self, path: Path, threads: int):
         super().__init__()
