@@ -161,7 +161,7 @@ class _OpenVino(nn.Module):
 
     Its fused attention kernels ("snippets") are off: in OpenVINO 2026.4 they give wrong attention outputs where a
     block's fixed token count equals its head count (ToMe's last blocks can get there), and at some dynamic token
-    counts, depending on the counts run before (docs/deploy.md, benchmarks/openvino_check.py)."""
+    counts (docs/deploy.md, benchmarks/openvino_check.py)."""
 
     def __init__(self, path: Path, threads: int):
         super().__init__()
