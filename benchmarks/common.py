@@ -97,6 +97,15 @@ def calibrated(dense: torch.nn.Module, target: float, device: torch.device | str
     return model.eval(), r
 
 
+def deployed_models(name: str, n: int) -> tuple[torch.nn.Module, torch.Tensor, torch.nn.Module, torch.nn.Module]:
+    """The models of benchmarks/deployed.py: ``name``'s dense model, its first ``n`` test images, LTMP calibrated to
+    r_FLOPs 0.5 and ToMe at LTMP's mean GMACs on those images."""
+    dense = load_model(name)
+    images = load_images(dense, "test", n)
+    mine, _ = calibrated(dense, 0.5)
+    return dense, images, mine, at_gmacs(dense, "tome", mean_gmacs(mine, images))
+
+
 def compact(result: dict) -> dict:
     """What the document uses of one ``ltmp eval --json`` result, with the per-image correctness ('0'/'1' per
     test image) packed into hex."""

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 import ltmp
-from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs
+from common import deployed_models
 from ltmp.bench import bench_deployed, compare_models, paired_ratio
+from ltmp.export import RUNTIMES
 from ltmp.thresholds import write_json
 
 #: time ratio <= GMACs ratio + this, per method (issue #39)
@@ -59,15 +60,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3, help="times each deployed pair is exported and timed anew")
-    ap.add_argument("--runtime", default="onnx", choices=["onnx", "openvino", "aoti"])
+    ap.add_argument("--runtime", default="onnx", choices=list(RUNTIMES))
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     rows = []
     for name in args.models:
-        dense = load_model(name)
-        images = load_images(dense, "test", args.images)
-        mine, _ = calibrated(dense, 0.5)
-        tome = at_gmacs(dense, "tome", mean_gmacs(mine, images))
+        dense, images, mine, tome = deployed_models(name, args.images)
         for reduced in (mine, tome):
             method = reduced.ltmp_config.method
             for r in range(1, args.runs + 1):  # each run exports and times anew; eager in the first only

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs
+from common import deployed_models
 from ltmp.export import deploy
 
 #: operators that are matrix products, before and after ONNX Runtime's graph fusions
@@ -63,10 +63,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    dense = load_model(args.model)
-    images = load_images(dense, "test", args.images)
-    mine, _ = calibrated(dense, 0.5)
-    tome = at_gmacs(dense, "tome", mean_gmacs(mine, images))
+    dense, images, mine, tome = deployed_models(args.model, args.images)
     singles = [x[None] for x in images]
     with tempfile.TemporaryDirectory() as folder:
         for label, model in (("dense", dense), ("ltmp", mine), ("tome", tome)):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ltmp.bench import compare_models, paired_ratio
+from ltmp.export import OPENVINO_CONFIG
 
 
 class Attention(torch.nn.Module):
@@ -38,13 +39,15 @@ class Attention(torch.nn.Module):
 
 
 class OpenVino(torch.nn.Module):
+    """``ltmp bench --deployed openvino``'s compiled graph, with the fused attention kernels on or off."""
+
     def __init__(self, path: Path, threads: int, snippets: bool):
         super().__init__()
         import openvino as ov
 
-        config = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
-        self.__dict__["compiled"] = ov.Core().compile_model(
-            str(path), "CPU", config if snippets else {**config, "SNIPPETS_MODE": "DISABLE"})
+        config = {k: v for k, v in OPENVINO_CONFIG.items() if not snippets or k != "SNIPPETS_MODE"}
+        config["INFERENCE_NUM_THREADS"] = threads
+        self.__dict__["compiled"] = ov.Core().compile_model(str(path), "CPU", config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.compiled(x.numpy())[0])
@@ -72,13 +75,10 @@ def wrong_counts(heads: int, dynamic: bool, snippets: bool, folder: str, counts=
 
 
 def time_both(name: str, images: int) -> None:
-    from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs
+    from common import deployed_models
     from ltmp.export import deploy
 
-    dense = load_model(name)
-    xs = load_images(dense, "test", images)
-    mine, _ = calibrated(dense, 0.5)
-    tome = at_gmacs(dense, "tome", mean_gmacs(mine, xs))
+    dense, xs, mine, tome = deployed_models(name, images)
     singles = [x[None] for x in xs]
     with tempfile.TemporaryDirectory() as folder:
         files = {label: deploy(m, singles[0], "openvino", folder, label)

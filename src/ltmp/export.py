@@ -156,6 +156,10 @@ class _OrtSession(nn.Module):
         return torch.from_numpy(self.session.run(None, {self.input: x.numpy()})[0])
 
 
+#: OpenVINO CPU settings of ``--deployed openvino`` (threads are added per load); why the snippets are off: _OpenVino
+OPENVINO_CONFIG = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, "SNIPPETS_MODE": "DISABLE"}
+
+
 class _OpenVino(nn.Module):
     """An ONNX graph compiled by OpenVINO for the CPU, for one image at a time (latency hint, one stream).
 
@@ -169,9 +173,8 @@ class _OpenVino(nn.Module):
             import openvino as ov
         except ImportError:
             raise LtmpError("--deployed openvino needs OpenVINO: pip install 'ltmp[openvino]'") from None
-        self.__dict__["compiled"] = ov.Core().compile_model(str(path), "CPU", {
-            "INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1,
-            "SNIPPETS_MODE": "DISABLE"})
+        self.__dict__["compiled"] = ov.Core().compile_model(str(path), "CPU",
+                                                            {**OPENVINO_CONFIG, "INFERENCE_NUM_THREADS": threads})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.compiled(x.numpy())[0])
