@@ -8,6 +8,12 @@ every other node. Prints, per model and thread count, the time per image of a ru
 a run is the time between nodes), the number of nodes run, the other nodes' costliest operator types, and the
 two-thread speed-up of each part. The profiler adds its own cost to every node, most to the small ones.
 
+Then the floor that batch 1 sets under any token reduction (``linear_floor``): the dense model's linear layers alone,
+every weight once as in one forward, timed in ONNX Runtime (no profiler) at M = N, 3N/4, N/2, N/4 and 8 token rows
+and fitted as ``a + b M``. The fixed part ``a`` (the weights read from memory each image, and each call's cost) does
+not shrink with the tokens, so at LTMP's GMACs ratio r the linear layers alone take ``(a + b r N) / (a + b N)`` of
+their dense time: the printed floor, above r by what no graph change removes.
+
     python benchmarks/deployed_profile.py --model deit-s
 """
 from __future__ import annotations
@@ -16,12 +22,15 @@ import argparse
 import collections
 import json
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from common import deployed_models
+from common import deployed_models, mean_gmacs
 from ltmp.export import deploy
+from ltmp.flops import dense_gmacs, vit_spec
 
 #: operators that are matrix products, before and after ONNX Runtime's graph fusions
 MATRIX_PRODUCTS = {"MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulInteger", "Attention", "MultiHeadAttention"}
@@ -57,16 +66,54 @@ def profile(path: Path, images: list[torch.Tensor], threads: int, reps: int, fol
             "other_ms": {k: v / 1000 / n for k, v in other.most_common(6)}}
 
 
+def linear_floor(dense: torch.nn.Module, tokens: int, threads: int, reps: int = 20) -> tuple[float, float]:
+    """``(a, b)`` of the fit ``a + b M`` (ms) of the time of ``dense``'s block linear layers on M token rows in ONNX
+    Runtime: one graph with one ``Gemm`` per layer, each on an input of its width, every weight read once per run."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    layers = [m for m in dense.blocks.modules() if isinstance(m, torch.nn.Linear)]
+    widths = sorted({m.in_features for m in layers})
+    nodes, weights = [], []
+    for i, m in enumerate(layers):
+        weights += [numpy_helper.from_array(m.weight.detach().numpy(), f"w{i}"),
+                    numpy_helper.from_array(m.bias.detach().numpy(), f"b{i}")]
+        nodes.append(helper.make_node("Gemm", [f"x{m.in_features}", f"w{i}", f"b{i}"], [f"y{i}"], transB=1))
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info(f"x{w}", TensorProto.FLOAT, ["m", w])
+                                                for w in widths],
+                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None)
+                               for i in range(len(layers))], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    rows, ms = [tokens, 3 * tokens // 4, tokens // 2, tokens // 4, 8], []
+    for m in rows:
+        feed = {f"x{w}": np.random.default_rng(0).standard_normal((m, w), dtype=np.float32) for w in widths}
+        for _ in range(3):
+            session.run(None, feed)
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(reps):
+                session.run(None, feed)
+            times.append((time.perf_counter() - t) / reps * 1000)
+        ms.append(float(np.median(times)))
+    b, a = np.polyfit(rows, ms, 1)
+    return float(a), float(b)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="deit-s", choices=["deit-s", "cifar"])
     ap.add_argument("--images", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--floor-only", action="store_true", help="only the linear layers' floor, no profiles")
     args = ap.parse_args()
     dense, images, mine, tome = deployed_models(args.model, args.images)
     singles = [x[None] for x in images]
     with tempfile.TemporaryDirectory() as folder:
-        for label, model in (("dense", dense), ("ltmp", mine), ("tome", tome)):
+        for label, model in () if args.floor_only else (("dense", dense), ("ltmp", mine), ("tome", tome)):
             path = deploy(model, singles[0], "onnx", folder, label)
             by_threads = {t: profile(path, singles, t, args.reps, folder) for t in (1, 2)}
             for t, p in by_threads.items():
@@ -78,6 +125,14 @@ def main() -> None:
             speed = {k: one["ms"][k] / two["ms"][k] for k in one["ms"]}
             print(f"{args.model} {label} two-thread speed-up: run {one['run_ms'] / two['run_ms']:.2f}"
                   + "".join(f", {k} {v:.2f}" for k, v in sorted(speed.items())), flush=True)
+    r = mean_gmacs(mine, images) / dense_gmacs(vit_spec(dense))
+    n = dense.patch_embed.num_patches + dense.num_prefix_tokens
+    for t in (1, 2):
+        a, b = linear_floor(dense, n, t)
+        floor = (a + b * r * n) / (a + b * n)
+        print(f"{args.model} linear layers {t} thr: {a:.2f} ms + {1000 * b:.1f} us per token row "
+              f"({a / (a + b * n):.3f} of their dense {a + b * n:.2f} ms is fixed); at LTMP's GMACs ratio {r:.3f} "
+              f"they take {floor:.3f} of their dense time ({floor - r:+.3f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -98,14 +98,15 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor
     return torch.bmm(cast(p, v.dtype), v3).view(B, H, N, D), probs.view(B, H, N, N)
 
 
-def soft_masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor, log_size: Tensor | None,
+def soft_masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None, log_size: Tensor | None,
                           dropout: float = 0.0, mask_grad: str = "secant") -> tuple[Tensor, Tensor]:
     """:func:`masked_attention` with a straight-through mask ``keep`` (B, N) (train mode): the mask multiplies in
-    eq. 6, so gradients reach it and the thresholds behind it (:class:`MaskedSoftmax`); the same forward."""
+    eq. 6, so gradients reach it and the thresholds behind it (:class:`MaskedSoftmax`); the same forward. Without
+    ``keep``, on (B, H, N, N) as it is: an export's graph then needs none of the 3-D path's reshapes."""
     attn = cast((q * scale) @ k.transpose(-2, -1), wide(q.dtype))  # (B, H, N, N)
     if log_size is not None:
         attn = attn + log_size[:, None, None, :].to(attn.dtype)
-    probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad)  # (B, H, N, N)
+    probs = attn.softmax(-1) if keep is None else MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad)
     p = F.dropout(probs, dropout) if dropout else probs
     return p.to(v.dtype) @ v, probs  # (B, H, N, D), (B, H, N, N)
 
@@ -191,11 +192,10 @@ def importance_scores(probs: Tensor, weights: Tensor | None, kind: str) -> Tenso
     """
     if kind == "cls":
         return probs[:, :, 0, :].sum(dim=1)  # (B, N)
-    B, H, N, _ = probs.shape
-    w = probs.new_full((B, 1, H * N), 1 / (H * N)) if weights is None else torch.cat(  # (B, 1, H * N) 1 / (h n)
-        [cast(weights, probs.dtype)] * H, dim=1).view(B, 1, H * N)  # (a matmul: ONNX Runtime's mean is 6x slower)
-    with exact(probs.device.type):
-        return torch.bmm(w, probs.reshape(B, H * N, N)).view(B, N)  # (B, N)
+    if weights is None:  # rows, then heads: ONNX Runtime's mean over both at once, or heads first, is 3-8x slower
+        return probs.mean(dim=2).mean(dim=1)  # (B, N)
+    with exact(probs.device.type):  # the weights (1 / (h n) at the surviving rows) after the sum over heads
+        return torch.bmm(cast(weights, probs.dtype)[:, None], probs.sum(dim=1)).squeeze(1)  # (B, N)
 
 
 def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None
@@ -362,12 +362,12 @@ def merge_rows(x: Tensor, size: Tensor, rows: Tensor, n: int, extra: Tensor | No
         x (n, C), size (n,), extra (n, K) or None.
     """
     C = x.shape[1]
-    den = torch.empty(n, dtype=size.dtype, device=size.device).zero_().index_add_(0, rows, size)  # (n,)
+    den = torch.zeros(n, dtype=size.dtype, device=size.device).index_add_(0, rows, size)  # (n,)
     if extra is not None:
         extra = torch.zeros(n, extra.shape[1], dtype=extra.dtype, device=extra.device).index_add_(0, rows, extra)
     if not average:
         return torch.empty(n, C, dtype=x.dtype, device=x.device).zero_().index_add_(0, rows, x), den, extra  # (n, C)
     dt = x.dtype if x.dtype == size.dtype else torch.promote_types(x.dtype, size.dtype)
     xs = cast(x, dt) * cast(size, dt).view(-1, 1) if weighted else cast(x, dt)  # (M, C)
-    num = torch.empty(n, C, dtype=dt, device=x.device).zero_().index_add_(0, rows, xs)  # (n, C)
+    num = torch.zeros(n, C, dtype=dt, device=x.device).index_add_(0, rows, xs)  # (n, C)
     return cast(num / cast(den, dt).view(-1, 1), x.dtype), den, extra  # (n, C), (n,), (n, K)
