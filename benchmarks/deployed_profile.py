@@ -14,6 +14,9 @@ and fitted as ``a + b M``. The fixed part ``a`` (the weights read from memory ea
 not shrink with the tokens, so at LTMP's GMACs ratio r the linear layers alone take ``(a + b r N) / (a + b N)`` of
 their dense time: the printed floor, above r by what no graph change removes.
 
+Last, the forms of eq. 17's mean over query rows and heads on DeiT-S's (1, 6, 197, 197) probabilities, one node
+each or two (``mean_forms``): why an export takes the rows first.
+
     python benchmarks/deployed_profile.py --model deit-s
 """
 from __future__ import annotations
@@ -87,20 +90,47 @@ def linear_floor(dense: torch.nn.Module, tokens: int, threads: int, reps: int = 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    rows, ms = [tokens, 3 * tokens // 4, tokens // 2, tokens // 4, 8], []
-    for m in rows:
-        feed = {f"x{w}": np.random.default_rng(0).standard_normal((m, w), dtype=np.float32) for w in widths}
-        for _ in range(3):
-            session.run(None, feed)
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(reps):
-                session.run(None, feed)
-            times.append((time.perf_counter() - t) / reps * 1000)
-        ms.append(float(np.median(times)))
+    rows = [tokens, 3 * tokens // 4, tokens // 2, tokens // 4, 8]
+    ms = [_time_ms(session, {f"x{w}": np.random.default_rng(0).standard_normal((m, w), dtype=np.float32)
+                             for w in widths}, reps) for m in rows]
     b, a = np.polyfit(rows, ms, 1)
     return float(a), float(b)
+
+
+def _time_ms(session, feed: dict, reps: int) -> float:
+    for _ in range(3):
+        session.run(None, feed)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(reps):
+            session.run(None, feed)
+        times.append((time.perf_counter() - t) / reps * 1000)
+    return float(np.median(times))
+
+
+def mean_forms(threads: int, heads: int = 6, n: int = 197) -> dict[str, float]:
+    """Microseconds per run of a one- or two-node ONNX graph that averages (1, heads, n, n) over axes 1 and 2."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    forms = {"both axes at once": [(1, 2)], "heads, then rows": [(1,), (1,)], "rows, then heads": [(2,), (1,)]}
+    x = np.random.default_rng(0).random((1, heads, n, n), dtype=np.float32)
+    out = {}
+    for label, steps in forms.items():
+        nodes, axes, prev = [], [], "x"
+        for i, ax in enumerate(steps):
+            axes.append(helper.make_tensor(f"a{i}", TensorProto.INT64, [len(ax)], list(ax)))
+            nodes.append(helper.make_node("ReduceMean", [prev, f"a{i}"], [f"t{i}"], keepdims=0))
+            prev = f"t{i}"
+        graph = helper.make_graph(nodes, "mean", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                                  [helper.make_tensor_value_info(prev, TensorProto.FLOAT, None)], axes)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        session = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+                                       .SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        out[label] = 1000 * _time_ms(session, {"x": x}, 200)
+    return out
 
 
 def main() -> None:
@@ -133,6 +163,9 @@ def main() -> None:
         print(f"{args.model} linear layers {t} thr: {a:.2f} ms + {1000 * b:.1f} us per token row "
               f"({a / (a + b * n):.3f} of their dense {a + b * n:.2f} ms is fixed); at LTMP's GMACs ratio {r:.3f} "
               f"they take {floor:.3f} of their dense time ({floor - r:+.3f})", flush=True)
+    for t in (1, 2):
+        print(f"eq. 17's mean of (1, 6, 197, 197), {t} thr: "
+              + ", ".join(f"{k} {v:.1f} us" for k, v in mean_forms(t).items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -166,8 +166,8 @@ class _OpenVino(nn.Module):
     """An ONNX graph compiled by OpenVINO for the CPU, for one image at a time (latency hint, one stream).
 
     Its fused attention kernels ("snippets") are off: in OpenVINO 2026.4 they give wrong attention outputs where a
-    block's fixed token count equals its head count (ToMe's last blocks can get there), and at some dynamic token
-    counts (docs/deploy.md, benchmarks/openvino_check.py)."""
+    block's fixed token count equals its head count (ToMe's last blocks can get there), and on some CPUs at some
+    dynamic token counts (docs/deploy.md, benchmarks/openvino_check.py)."""
 
     def __init__(self, path: Path, threads: int):
         super().__init__()
