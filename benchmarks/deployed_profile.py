@@ -72,7 +72,6 @@ def profile(path: Path, images: list[torch.Tensor], threads: int, reps: int, fol
 def linear_floor(dense: torch.nn.Module, tokens: int, threads: int, reps: int = 20) -> tuple[float, float]:
     """``(a, b)`` of the fit ``a + b M`` (ms) of the time of ``dense``'s block linear layers on M token rows in ONNX
     Runtime: one graph with one ``Gemm`` per layer, each on an input of its width, every weight read once per run."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     layers = [m for m in dense.blocks.modules() if isinstance(m, torch.nn.Linear)]
@@ -86,10 +85,7 @@ def linear_floor(dense: torch.nn.Module, tokens: int, threads: int, reps: int = 
                                                 for w in widths],
                               [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None)
                                for i in range(len(layers))], weights)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
-    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    session = _session(graph, threads)
     rows = [tokens, 3 * tokens // 4, tokens // 2, tokens // 4, 8]
     ms = [_time_ms(session, {f"x{w}": np.random.default_rng(0).standard_normal((m, w), dtype=np.float32)
                              for w in widths}, reps) for m in rows]
@@ -97,7 +93,19 @@ def linear_floor(dense: torch.nn.Module, tokens: int, threads: int, reps: int = 
     return float(a), float(b)
 
 
+def _session(graph, threads: int):
+    """An ONNX Runtime CPU session of an ``onnx.helper`` graph (opset 18), on ``threads`` intra-op threads."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
 def _time_ms(session, feed: dict, reps: int) -> float:
+    """Median of 5 timings of ``reps`` runs of ``feed``, in ms per run, after 3 warm-up runs."""
     for _ in range(3):
         session.run(None, feed)
     times = []
@@ -111,7 +119,6 @@ def _time_ms(session, feed: dict, reps: int) -> float:
 
 def mean_forms(threads: int, heads: int = 6, n: int = 197) -> dict[str, float]:
     """Microseconds per run of a one- or two-node ONNX graph that averages (1, heads, n, n) over axes 1 and 2."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper
 
     forms = {"both axes at once": [(1, 2)], "heads, then rows": [(1,), (1,)], "rows, then heads": [(2,), (1,)]}
@@ -125,11 +132,7 @@ def mean_forms(threads: int, heads: int = 6, n: int = 197) -> dict[str, float]:
             prev = f"t{i}"
         graph = helper.make_graph(nodes, "mean", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
                                   [helper.make_tensor_value_info(prev, TensorProto.FLOAT, None)], axes)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        session = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-                                       .SerializeToString(), opts, providers=["CPUExecutionProvider"])
-        out[label] = 1000 * _time_ms(session, {"x": x}, 200)
+        out[label] = 1000 * _time_ms(_session(graph, threads), {"x": x}, 200)
     return out
 
 

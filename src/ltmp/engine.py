@@ -136,8 +136,8 @@ def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, backend: str, q: T
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop, scale=view.scale)
     else:
         o, probs = ops.soft_masked_attention(q, k, v, view.scale, keep, log_size, drop, cfg.mask_grad) \
-            if plan.symbolic or keep is not None and keep.requires_grad else ops.masked_attention(
-                q, k, v, view.scale, keep, log_size, drop, plan.amp)
+            if keep is not None and keep.requires_grad else ops.masked_attention(q, k, v, view.scale, keep,
+                                                                                 log_size, drop, plan.amp)
         if cfg.needs_importance:
             importance = ops.importance_scores(probs, weights, cfg.importance)  # (b, n)
     return o, importance, ops.head_sum(k) if metric and cfg.needs_metric else None  # (b, H, n, D), (b, n), (b, n, D)

@@ -98,15 +98,14 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor
     return torch.bmm(cast(p, v.dtype), v3).view(B, H, N, D), probs.view(B, H, N, N)
 
 
-def soft_masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None, log_size: Tensor | None,
+def soft_masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor, log_size: Tensor | None,
                           dropout: float = 0.0, mask_grad: str = "secant") -> tuple[Tensor, Tensor]:
     """:func:`masked_attention` with a straight-through mask ``keep`` (B, N) (train mode): the mask multiplies in
-    eq. 6, so gradients reach it and the thresholds behind it (:class:`MaskedSoftmax`); the same forward. Without
-    ``keep``, on (B, H, N, N) as it is: an export's graph then needs none of the 3-D path's reshapes."""
+    eq. 6, so gradients reach it and the thresholds behind it (:class:`MaskedSoftmax`); the same forward."""
     attn = cast((q * scale) @ k.transpose(-2, -1), wide(q.dtype))  # (B, H, N, N)
     if log_size is not None:
         attn = attn + log_size[:, None, None, :].to(attn.dtype)
-    probs = attn.softmax(-1) if keep is None else MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad)
+    probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad)  # (B, H, N, N)
     p = F.dropout(probs, dropout) if dropout else probs
     return p.to(v.dtype) @ v, probs  # (B, H, N, D), (B, H, N, N)
 
@@ -366,7 +365,7 @@ def merge_rows(x: Tensor, size: Tensor, rows: Tensor, n: int, extra: Tensor | No
     if extra is not None:
         extra = torch.zeros(n, extra.shape[1], dtype=extra.dtype, device=extra.device).index_add_(0, rows, extra)
     if not average:
-        return torch.empty(n, C, dtype=x.dtype, device=x.device).zero_().index_add_(0, rows, x), den, extra  # (n, C)
+        return torch.zeros(n, C, dtype=x.dtype, device=x.device).index_add_(0, rows, x), den, extra  # (n, C)
     dt = x.dtype if x.dtype == size.dtype else torch.promote_types(x.dtype, size.dtype)
     xs = cast(x, dt) * cast(size, dt).view(-1, 1) if weighted else cast(x, dt)  # (M, C)
     num = torch.zeros(n, C, dtype=dt, device=x.device).index_add_(0, rows, xs)  # (n, C)

@@ -393,21 +393,21 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
     B, N, P = L.batch, L.length, cfg.num_prefix
     merge = next((d for d in decisions if isinstance(d, Merge)), None)
     drop = next((d[0] for d in decisions if not isinstance(d, Merge)), None)
-    flat = alive.view(-1)  # (B * N,)
-    cum = flat.cumsum(0)  # (B * N,) the survivors' new rows, from 1
     if static is not None:  # fixed rates: every image removes the same number of tokens
         n_new = N - sum(static)
         counts, T_new, result = None, B * n_new, StepResult(*static, kept=n_new - P, kept_frac=n_new - P)
     else:
         count_t = alive.sum(1)  # (B,)
-        counts = [cum[-1].item()] if plan.symbolic else count_t.tolist()  # the host read (an export's one image)
+        counts = count_t.tolist()  # the host read
         for c in counts if plan.symbolic else ():  # an export's symbolic counts: bounds for its slices
             torch._check(c >= 0), torch._check(c <= N)
         kept = [c - P for c in counts]
         result = StepResult(merged=0 if merge is None else merge.hard, pruned=0 if drop is None else drop,
                             kept=kept, kept_frac=kept)
         n_new, T_new = max(counts), sum(counts)
-    slot = torch.where(flat, cum, scalar(plan, 0, x.device))  # (B * N,) survivors' new rows, 0 (cut) the others
+    flat = alive.view(-1)  # (B * N,)
+    slot = torch.where(flat, flat.cumsum(0), scalar(plan, 0, x.device))  # (B * N,) survivors' new rows from 1,
+    #                                                                        0 (cut) the others
     if merge is not None:  # a merged token joins its target's row (row 0 if the target was pruned)
         at = slot.view(B, N)  # (B, N)
         at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill_(merge.stays, 0))
