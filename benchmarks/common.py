@@ -111,10 +111,15 @@ def compact(result: dict) -> dict:
     test image) packed into hex."""
     keep = {k: result[k] for k in ("method", "top1", "r_flops", "gmacs", "gmacs_dense", "images")}
     keep["per_layer"] = [{k: round(x[k], 4) for k in ("merged", "pruned")} for x in result["per_layer"]]
-    keep["correct"] = f"{len(result['correct'])}:{int('1' + result['correct'], 2):x}"  # leading 1 keeps zeros
+    keep["correct"] = pack(result["correct"])
     if "allocation" in result:  # learned thresholds: where they reduce (ltmp.analysis.allocation)
         keep["allocation"] = result["allocation"]
     return keep
+
+
+def pack(bits: str) -> str:
+    """Per-image correctness ('0'/'1' per image) as its length and hex (a leading 1 keeps the leading zeros)."""
+    return f"{len(bits)}:{int('1' + bits, 2):x}"
 
 
 def unpack(packed: str) -> str:

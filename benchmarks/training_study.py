@@ -99,12 +99,23 @@ STUDIES: dict[str, tuple[tuple[float, ...], dict[str, list[str]]]] = {
             "group-projected": ["--optimizer", "group", "--budget", "projected"],
         }.items()
     }),
+    "spread": ((0.5,), {  # issue #52: LTMP whose prune thresholds step in units of their scores' spread
+        f"ltmp-{name}-s{seed}": ["--method", "ltmp", "--seed", str(seed), *extra]
+        for name, extra in {
+            "spread": [],  # the default: SGD, lr_prune = lr_merge (spread_prune / spread_merge)^2
+            "paper-ratio": ["--lr-prune", "1.3978e-4"],  # the paper's 5e-6 scaled to 351 steps: ratio 1,000
+        }.items()
+        for seed in range(3)
+    }),
 }
 
 #: How each study trains (besides its variants' flags). The studies of #16 measured training alone for 100 steps
 #: on 1,000 held-out images; "allocation" runs the whole default procedure (one epoch, settled on clean held-out
 #: images) and holds out 5,000 images, so that differences of about 1.5 points are resolved.
-SETTINGS = {"allocation": ["--holdout", "0.1", "--augment", "light", "--checkpoint-every", "25"]}
+SETTINGS = {"allocation": ["--holdout", "0.1", "--augment", "light", "--checkpoint-every", "25"],
+            "spread": ["--holdout", "0.1", "--checkpoint-every", "25"]}  # ltmp train's defaults otherwise
+#: studies evaluated beside their fixed-rate counterparts and a shared threshold on 5,000 held-out images
+HELDOUT = ("allocation", "spread")
 DEFAULT_SETTINGS = ["--steps", str(STEPS), "--augment", "light", "--holdout", "0.02", "--checkpoint-every", "10",
                     "--no-settle"]  # training alone, as measured
 
@@ -223,7 +234,7 @@ def heldout_baselines(folder: Path, method: str) -> None:
     root = ldata.resolve_root(DATA)
     _, eval_tf, _ = ldata.transforms_for(dense, "none")
     full = ldata.ImageFolder(ldata.split_dir(root, "train"), eval_tf)
-    _, held = ldata.holdout_split(len(full), cfg["holdout"], cfg["seed"])
+    _, held = ldata.holdout_split(len(full), cfg["holdout"])
     loader = DataLoader(Subset(full, held), batch_size=128, num_workers=2, collate_fn=ldata.collate_skip)
     spec = ltmp.vit_spec(dense)
     removed = [layer["merged"] + layer["pruned"] for layer in ev["per_layer"]]
@@ -241,13 +252,13 @@ def heldout_baselines(folder: Path, method: str) -> None:
         atomic_write(folder / "heldout-shared.json", lambda tmp: Path(tmp).write_text(json.dumps(res)))
 
 
-def allocation_table(runs: Path) -> str:
-    """The "allocation" study: each procedure on the held-out images, beside its fixed-rate counterpart (even
-    schedule, and the run's own schedule) and one shared threshold, paired image by image."""
+def allocation_table(runs: Path, study: str = "allocation") -> str:
+    """A held-out study ("allocation", "spread"): each procedure on the held-out images, beside its fixed-rate
+    counterpart (even schedule, and the run's own schedule) and one shared threshold, paired image by image."""
     from ltmp.significance import mcnemar
 
-    targets, variants = STUDIES["allocation"]
-    lines = ["### allocation", "", "| variant | r_target | held-out r_FLOPs | GMACs ratio | held-out top-1 | merged / "
+    targets, variants = STUDIES[study]
+    lines = [f"### {study}", "", "| variant | r_target | held-out r_FLOPs | GMACs ratio | held-out top-1 | merged / "
              "pruned per image | reallocated vs shared | - fixed rate, even (p) | - fixed rate, own schedule (p) | "
              "- shared threshold (p) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for target in targets:
@@ -274,6 +285,41 @@ def allocation_table(runs: Path) -> str:
     return "\n".join(lines)
 
 
+def spread_comparison(runs: Path) -> str:
+    """The "spread" study's verdict: each variant's gap over ToMe at its own GMACs (even schedule), averaged over its
+    seeds image by image, and the difference of the two gaps with the image as the unit
+    (:func:`ltmp.significance.image_test`)."""
+    from ltmp.significance import image_test
+
+    (target,), variants = STUDIES["spread"]
+    runs_of = {}
+    for name in variants:
+        folder = runs / f"{name}-r{target}"
+        ev, base = record(folder, "eval.json"), record(folder, "heldout-even.json")
+        if isinstance(ev, dict) and isinstance(base, dict):
+            runs_of.setdefault(name.rsplit("-s", 1)[0], []).append((ev, base))
+    if len(runs_of) < 2:
+        return "spread: pending"
+    lines = ["| variant | seeds | held-out top-1 | r_FLOPs | merged / pruned per image | - ToMe at own GMACs, 95% CI, "
+             "p |", "|---|---|---|---|---|---|"]
+    terms = {}
+    for variant, pairs in runs_of.items():
+        terms[variant] = [(1.0, [e["correct"] for e, _ in pairs]), (-1.0, [b["correct"] for _, b in pairs])]
+        t = image_test(terms[variant])
+        top1 = sum(e["top1"] for e, _ in pairs) / len(pairs)
+        r = sum(e["r_flops"] for e, _ in pairs) / len(pairs)
+        merged = sum(sum(layer["merged"] for layer in e["per_layer"]) for e, _ in pairs) / len(pairs)
+        pruned = sum(sum(layer["pruned"] for layer in e["per_layer"]) for e, _ in pairs) / len(pairs)
+        lines.append(f"| {variant} | {len(pairs)} | {top1:.2f} | {r:.3f} | {merged:.1f} / {pruned:.1f} | "
+                     f"{t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}), p={t['p_value']:.2g} |")
+    a, b = "ltmp-spread", "ltmp-paper-ratio"
+    if a in terms and b in terms:
+        t = image_test(terms[a] + [(-w, c) for w, c in terms[b]])
+        lines.append(f"\n{a} - {b}, gaps over ToMe: {t['diff']:+.2f} points (95% CI {t['ci'][0]:+.2f} to "
+                     f"{t['ci'][1]:+.2f}), p = {t['p_value']:.2g}, {t['images']} held-out images as the unit")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("studies", nargs="+", choices=sorted(STUDIES))
@@ -294,9 +340,11 @@ def main(argv: list[str] | None = None) -> int:
             for target in targets:  # every variant at one target before the next: partial results still pair up
                 for name, extra in variants.items():
                     train(runs / f"{name}-r{target}", target, extra, SETTINGS.get(study, DEFAULT_SETTINGS))
-                    if study == "allocation":
+                    if study in HELDOUT:
                         heldout_baselines(runs / f"{name}-r{target}", extra[extra.index("--method") + 1])
-        print((allocation_table(runs) if study == "allocation" else table(runs, study)) + "\n", flush=True)
+        print((allocation_table(runs, study) if study in HELDOUT else table(runs, study)) + "\n", flush=True)
+        if study == "spread":
+            print(spread_comparison(runs) + "\n", flush=True)
         if args.test and study in BASELINE:
             print(test_once(runs, study) + "\n", flush=True)
     if SAVED is None and KEPT:

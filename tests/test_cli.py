@@ -104,24 +104,32 @@ def test_train_settles_the_budget_on_held_out_images(tiny_model, tiny_data, tmp_
 
 
 def test_optimizer_defaults_fill_only_what_is_not_given():
-    """The default of the methods that merge, SGD, has the paper's learning rates on its one ImageNet epoch (9809
-    steps of 128) and moves the thresholds as far in a run of any other length; Adam's, ltp's default, are per
-    step. A value given is kept."""
-    from ltmp.train import TrainConfig, resolve
+    """The default of the methods that merge, SGD, has the paper's merge learning rate on its one ImageNet epoch
+    (9809 steps of 128) and moves the merge thresholds as far in a run of any other length; its prune learning rate
+    steps in the same units of the scores' spread (lr_merge times the squared ratio of the spreads). Adam's, ltp's
+    default, are per step. A value given is kept."""
+    from ltmp.train import TrainConfig, needs_spreads, resolve
 
     base = dict(model="m", data_dir="d", output="o", r_target=0.5)
-    paper = resolve(TrainConfig(**base), steps=9809)
-    assert (paper.optimizer, paper.lr_merge, paper.lr_prune, paper.merge_init) == ("sgd", 5e-3, 5e-6, 1.0)
-    cifar = resolve(TrainConfig(**base, merge_init=0.9), steps=351)  # 45,000 images: 1/28 of its steps
-    assert (cifar.lr_merge, cifar.lr_prune) == pytest.approx((0.1397, 1.397e-4), rel=1e-3)
+    spreads = {"merge_threshold": 0.1, "prune_threshold": 0.02}  # prune steps (0.02 / 0.1)^2 = 1/25 of merge's
+    paper = resolve(TrainConfig(**base), steps=9809, spreads=spreads)
+    assert (paper.optimizer, paper.lr_merge, paper.merge_init) == ("sgd", 5e-3, 1.0)
+    assert paper.lr_prune == pytest.approx(5e-3 / 25, rel=1e-12)
+    cifar = resolve(TrainConfig(**base, merge_init=0.9), steps=351, spreads=spreads)  # 1/28 of the paper's steps
+    assert (cifar.lr_merge, cifar.lr_prune) == pytest.approx((0.1397, 0.1397 / 25), rel=1e-3)
     assert cifar.merge_init == 0.9
+    given = resolve(TrainConfig(**base, lr_merge=0.01), steps=351, spreads=spreads)  # the ratio keeps a given rate
+    assert (given.lr_merge, given.lr_prune) == pytest.approx((0.01, 0.01 / 25), rel=1e-12)
+    assert resolve(TrainConfig(**base), steps=351).lr_prune is None  # before the spreads are measured
     unknown = resolve(TrainConfig(**base))  # before the run's length is known
     assert (unknown.lr_merge, unknown.lr_prune, unknown.merge_init) == (None, None, 1.0)
+    assert needs_spreads(TrainConfig(**base)) and not needs_spreads(TrainConfig(**base, lr_prune=1e-4))
     adam = resolve(TrainConfig(**base, optimizer="adam", lr_prune=1e-3), steps=351)
     assert (adam.lr_merge, adam.lr_prune, adam.merge_init) == (2e-3, 1e-3, 1.0)
+    assert not needs_spreads(TrainConfig(**base, optimizer="adam"))
     ltp = resolve(TrainConfig(**base, method="ltp"), steps=351)  # learned pruning alone: Adam (issue #36)
     assert (ltp.optimizer, ltp.lr_prune) == ("adam", 2e-4)
-    assert resolve(TrainConfig(**base, method="ltp", optimizer="sgd"), steps=9809).lr_prune == 5e-6
+    assert resolve(TrainConfig(**base, method="ltp", optimizer="sgd", lr_prune=5e-6), steps=9809).lr_prune == 5e-6
     assert [resolve(TrainConfig(**base, method=m)).optimizer for m in ("ltmp", "ltpm", "ltm")] == ["sgd"] * 3
 
 

@@ -2,15 +2,17 @@
 images until eval-mode r_FLOPs (eq. 13) meet the target. Not in the paper."""
 from __future__ import annotations
 
+import copy
 import math
 import os
+import warnings
 
 import torch
 from torch import Tensor, nn
 
 from . import data as ldata
 from .errors import LtmpError
-from .patching import num_heads, score_ranges
+from .patching import num_heads, patch, score_ranges
 from .record import r_flops
 from .runtime import amp_context
 
@@ -194,3 +196,31 @@ def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: b
         return
     q = 1.0 - fraction if largest else fraction
     threshold.fill_(torch.quantile(scores.detach().double().flatten(), min(max(q, 0.0), 1.0)).item())
+
+
+@torch.no_grad()
+def score_spreads(model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu", batch: int = 128
+                  ) -> dict[str, float]:
+    """The spread of the scores each kind of threshold compares, with nothing reduced: for ``merge_threshold`` the
+    set-A tokens' best cosine similarity (eq. 1 on ToMe's matching), for ``prune_threshold`` the patch tokens'
+    importance (eq. 16/17), each the root mean square over blocks of the standard deviation within a block, on
+    ``images`` (N, 3, H, W) in eval mode. A threshold moved by one spread passes about the same share of its
+    block's tokens whatever its kind; ``ltmp.train`` steps in these units (:func:`ltmp.train.resolve`)."""
+    probe = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # it reduces nothing on purpose
+        patch(probe, "ltmp", importance=model.ltmp_config.importance, merge_threshold=math.inf,
+              prune_threshold=-math.inf)
+    probe.eval().to(device)
+    cfg = probe.ltmp_config
+    cfg.capture = []
+    for i in range(0, len(images), batch):
+        probe(images[i:i + batch].to(device))
+    per_block: dict[tuple[str, int], list[Tensor]] = {}
+    for c in cfg.capture:
+        per_block.setdefault((c.op, c.layer), []).append(c.scores[c.candidates].double())
+    out = {}
+    for op in ("merge", "prune"):
+        stds = [torch.cat(v).std() for (kind, _), v in per_block.items() if kind == op]  # one per block
+        out[f"{op}_threshold"] = float(torch.stack(stds).square().mean().sqrt())
+    return out

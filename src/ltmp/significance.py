@@ -1,6 +1,6 @@
-"""Significance of evaluations: confidence intervals of accuracy, exact paired tests between two runs on the same
-images, and the correction for testing many pairs. (Not ``stats.py``: ``ltmp.stats`` is the public record of a
-forward.)"""
+"""Significance of evaluations: confidence intervals of accuracy, paired tests between runs on the same images with
+the image as the unit, and the correction for testing many pairs. (Not ``stats.py``: ``ltmp.stats`` is the public
+record of a forward.)"""
 from __future__ import annotations
 
 import math
@@ -31,6 +31,41 @@ def mcnemar(correct_a: str, correct_b: str) -> dict:
     p = 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue)
     return {"only_a_correct": b, "only_b_correct": c, "p_value": p}
 
+
+def image_test(terms: list[tuple[float, list[str]]]) -> dict:
+    """A paired test whose unit is the image, for comparisons of runs with several seeds on the same images.
+
+    Each term is a weight and the per-image correctness strings ('0'/'1' per image) of one variant's runs (one per
+    seed; a baseline evaluated once is a list of one). Per image, ``d_i = sum_k w_k * mean over seeds of correct``:
+    ``[(1, a), (-1, b)]`` is a's seed-averaged accuracy minus b's; ``[(1, a), (-1, a_base), (-1, b), (1, b_base)]``
+    compares two gaps over baselines (runs at different GMACs). The images are the independent units (their seeds
+    are averaged within each image, so an image counts once however many seeds see it): the mean of ``d`` has the
+    standard error ``sd(d) / sqrt(n)``, a cluster-robust test with the image as the cluster, and at n in the
+    thousands its z statistic is normal. With one seed per term and two terms it is the normal form of McNemar's
+    test.
+
+    Returns:
+        ``diff`` (points), ``ci`` (95% interval, points), ``p_value`` (two-sided) and ``images``.
+    """
+    from scipy.stats import norm
+
+    lengths = {len(s) for _, runs in terms for s in runs}
+    if len(lengths) != 1:
+        raise LtmpError(f"the runs cover different numbers of images ({sorted(lengths)}); compare runs on the same "
+                        f"eval set")
+    n = lengths.pop()
+    d = [0.0] * n
+    for w, runs in terms:
+        for s in runs:
+            for i, c in enumerate(s):
+                if c == "1":
+                    d[i] += w / len(runs)
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+    se = math.sqrt(var / n)
+    p = (1.0 if mean == 0 else 0.0) if se == 0 else float(2 * norm.sf(abs(mean) / se))
+    return {"diff": 100 * mean, "ci": (100 * (mean - 1.959964 * se), 100 * (mean + 1.959964 * se)), "p_value": p,
+            "images": n}
 
 
 def holm(pvalues: list[float]) -> list[float]:

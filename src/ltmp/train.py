@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 
 from . import data as ldata
 from .analysis import ALLOCATION_IMAGES, allocation
-from .calibrate import calibrate, calibration_batch, settle, shift_to_budget
+from .calibrate import calibrate, calibration_batch, score_spreads, settle, shift_to_budget
 from .config import LEARNED
 from .errors import LtmpError
 from .evaluate import evaluate
@@ -92,14 +92,18 @@ class TrainConfig:
 
 #: Learning rates and initial merge thresholds when not given, per optimizer, all from no reduction (merge 1.0,
 #: prune 0); docs/training.md has the evidence:
-#: - sgd (the default since issue #36, chosen by ``benchmarks/training_study.py allocation``; for ltp see
-#:   METHOD_OPTIMIZER): the paper's learning rates (5e-3 merge, 5e-6 prune), which it used for one ImageNet epoch
-#:   of PAPER_STEPS steps, times PAPER_STEPS / steps, so that a run of any length moves the thresholds as far as
-#:   the paper's did (0.14 and 1.4e-4 for the 351 steps of one epoch of 45,000 CIFAR-10 images);
+#: - sgd (the default of the methods that merge; for ltp see METHOD_OPTIMIZER): the paper's merge learning rate
+#:   (5e-3), which it used for one ImageNet epoch of PAPER_STEPS steps, times PAPER_STEPS / steps, so that a run of
+#:   any length moves the merge thresholds as far as the paper's did (0.14 for the 351 steps of one epoch of 45,000
+#:   CIFAR-10 images). The prune learning rate steps in the same units of its scores' spread
+#:   (:func:`ltmp.calibrate.score_spreads`): lr_prune = lr_merge * (spread_prune / spread_merge)^2, since SGD on a
+#:   threshold measured in spreads, theta = spread * u, moves theta by lr * spread^2 * dL/dtheta. The paper's ratio
+#:   (5e-3 / 5e-6 = 1,000) is 16x smaller than this model's (spreads 0.110 and 0.0143: 60), so at the paper's
+#:   rates its prune thresholds hardly move;
 #: - adam, group: steps of about lr per step in each threshold's own units, 10x smaller for importance scores
 #:   (mean column attention, about 1/n) than for cosine similarities.
 OPTIMIZER_DEFAULTS = {
-    "sgd": {"lr_merge": 5e-3, "lr_prune": 5e-6, "merge_init": 1.0},
+    "sgd": {"lr_merge": 5e-3, "lr_prune": "spread", "merge_init": 1.0},
     "adam": {"lr_merge": 2e-3, "lr_prune": 2e-4, "merge_init": 1.0},
     "group": {"lr_merge": 2e-3, "lr_prune": 2e-4, "merge_init": 1.0},
 }
@@ -124,18 +128,25 @@ BUDGET_EVALS = 8
 BUDGETS = ("penalty", "constraint", "projected")
 
 
-def resolve(cfg: TrainConfig, steps: int | None = None) -> TrainConfig:
+def resolve(cfg: TrainConfig, steps: int | None = None, spreads: dict[str, float] | None = None) -> TrainConfig:
     """The config with the method's optimizer (``METHOD_OPTIMIZER``) and the optimizer's defaults filled in where
-    a value was not given. SGD's learning rates depend on the run's length: they stay unset until ``steps`` is
-    given."""
+    a value was not given. SGD's learning rates depend on the run's length and its prune rate on the scores'
+    spreads (:func:`ltmp.calibrate.score_spreads`): they stay unset until ``steps`` and ``spreads`` are given."""
     optimizer = cfg.optimizer or METHOD_OPTIMIZER.get(cfg.method, "sgd")
     if optimizer not in OPTIMIZER_DEFAULTS:
         raise TrainError(f"unknown --optimizer '{optimizer}'; choose one of: {', '.join(OPTIMIZER_DEFAULTS)}")
     defaults = {"optimizer": optimizer, **OPTIMIZER_DEFAULTS[optimizer]}
     if optimizer == "sgd":
-        for k in ("lr_merge", "lr_prune"):
-            defaults[k] = defaults[k] * PAPER_STEPS / steps if steps else None
+        lr_merge = defaults["lr_merge"] * PAPER_STEPS / steps if steps else None
+        defaults["lr_merge"] = lr_merge
+        defaults["lr_prune"] = None if lr_merge is None or spreads is None else (
+            (cfg.lr_merge or lr_merge) * (spreads["prune_threshold"] / spreads["merge_threshold"]) ** 2)
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
+
+
+def needs_spreads(cfg: TrainConfig) -> bool:
+    """The prune learning rate comes from the scores' spreads (:func:`resolve`)."""
+    return cfg.lr_prune is None and OPTIMIZER_DEFAULTS[resolve(cfg).optimizer]["lr_prune"] == "spread"
 
 
 def threshold_training_mode(model: nn.Module) -> nn.Module:
@@ -295,7 +306,7 @@ def build_train_data(cfg: TrainConfig, model: nn.Module):
     indices = list(range(len(train_set)))
     held: list[int] = []
     if cfg.holdout:
-        indices, held = ldata.holdout_split(len(train_set), cfg.holdout, cfg.seed)
+        indices, held = ldata.holdout_split(len(train_set), cfg.holdout)
     if cfg.max_train_images:
         g = torch.Generator().manual_seed(cfg.seed + 104729)
         pick = torch.randperm(len(indices), generator=g)[:cfg.max_train_images].tolist()
@@ -391,7 +402,12 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
         raise TrainError(f"none of the {len(indices)} training images in {train_set.root} can be read; pass a "
                          f"--data-dir whose train/ holds JPEG or PNG images")
     steps = total_steps(cfg, len(indices))
-    cfg = resolve(cfg, steps)
+    spreads = None
+    if needs_spreads(cfg):  # measured on clean training images, before any training step
+        spreads = score_spreads(model, calibration_batch(model, train_set.root, cfg.calibrate_images, cfg.seed + 61,
+                                                         indices, train_set.classes), device, cfg.batch_size)
+        threshold_training_mode(model)
+    cfg = resolve(cfg, steps, spreads)
     start, carry, opt_state = 0, {"mu": 0.0, "shift_step": 0.0}, {}
     if cfg.calibrate and not (resume and ckpt_path.exists()):
         calibrate(model, calibration_batch(model, train_set.root, cfg.calibrate_images, cfg.seed + 31, indices,
@@ -427,7 +443,7 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
         for name in ("checkpoint.safetensors", "thresholds.safetensors", "eval.json") if overwrite else ():
             (out / name).unlink(missing_ok=True)  # the run being replaced, as asked
         resolved = {**dataclasses.asdict(cfg), "total_steps": steps, "train_images": len(indices),
-                    "world_size": ddp.world, "device": str(device), "data_config": data_cfg,
+                    "world_size": ddp.world, "device": str(device), "data_config": data_cfg, "score_spreads": spreads,
                     "torch": torch.__version__}
         write_json(out / "config.json", resolved)
         kept_lines = []

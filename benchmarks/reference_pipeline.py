@@ -1,0 +1,326 @@
+"""The authors' LTMP pipeline (github Mxbonn/ltmp) on the bundled CIFAR-10 ViT: is the gap to top-k the model's or ours?
+
+    python benchmarks/reference_pipeline.py --reference PATH --python REF_PYTHON [--runs runs/reference]
+        [--json results/reference.json]
+
+``PATH`` is a checkout of github.com/Mxbonn/ltmp (it has no licence: it is run, never copied into this project), and
+``REF_PYTHON`` the Python of a throwaway environment outside the project with the versions it pins, e.g.::
+
+    git clone https://github.com/Mxbonn/ltmp /tmp/ltmp-ref
+    python3 -m venv /tmp/ltmp-ref-env
+    /tmp/ltmp-ref-env/bin/pip install torch==2.14.1 torchvision==0.29.1 timm==0.9.5 fvcore wandb pyyaml
+
+(it imports wandb unconditionally and needs timm 0.9.5: timm 1.x passes its blocks arguments they do not take).
+
+For each of LTP and LTMP at r_target 0.5, and for two learning-rate settings (the paper's 5e-6 prune / 5e-3 merge
+scaled to the run's length as ``ltmp train`` scales them, and 10x those), this script:
+
+1. trains with the authors' ``tools/train.py`` itself, on the CIFAR-10 train split, with its own recipe (label
+   smoothing 0.1, plain SGD, its 2% hold-out, timm's augmentation, thresholds clamped to [0, 1], the prune mask
+   overwriting the merge mask, ...) and the paper's tau of 0.1 (its command-line default is 0.5). Three shims let
+   it run on a CPU, none of which changes what it computes: ``torch.cuda.synchronize`` does nothing, the default
+   device of its train and validate loops is the CPU, and its closing fvcore FLOPs count (1,000 images under
+   autocast, a report only) is skipped;
+2. evaluates the trained thresholds on the 10,000 test images with the authors' own inference model (tokens really
+   removed; batch 1, the only batch it supports), recording each image's prediction and its per-block merged,
+   pruned and kept tokens; and the accuracy its training script reports (the masked training model);
+3. in this project's environment: GMACs from those counts (``ltmp.flops``), and on the same images the fixed-rate
+   counterpart (``topk-prune`` for LTP, ToMe for LTMP) at matched GMACs with an even schedule and with the run's own
+   mean per-block counts (``ltmp eval --match-gmacs`` / ``--follow``), paired image by image.
+
+Resumable: each run's training and evaluation is kept under ``--runs``. ``results/reference.json`` holds what
+docs/results.md shows (``benchmarks/reproduce.py --render`` renders the section from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[1]
+SHARED_MODEL = ROOT.parent / "shared" / "models" / "vit-cifar10"
+DATA = ROOT.parent / "shared" / "data" / "cifar10" / "cifar10-jpeg.tar.gz"
+R_TARGET = 0.5
+PAPER_LR = {"prune": 5e-6, "merge": 5e-3}  # paper section 4, for one ImageNet epoch
+PAPER_STEPS = 9809  # that epoch's steps of batch 128 (ltmp.train.PAPER_STEPS)
+STEPS = 382  # the reference's epoch here: 98% of the 50,000 training images in batches of 128, last one dropped
+SCALES = {"scaled": 1.0, "10x": 10.0}  # learning rates: the paper's times PAPER_STEPS / STEPS, and 10x those
+METHODS = {"ltp": "topk-prune", "ltmp": "tome"}  # learned method -> its fixed-rate counterpart
+SEED = 0
+
+
+def runs_of() -> list[tuple[str, str, str]]:
+    """(name, method, learning-rate setting) of every run."""
+    return [(f"{m}-{s}", m, s) for m in METHODS for s in SCALES]
+
+
+def learning_rates(scale: str) -> tuple[float, float]:
+    """(prune, merge) learning rates of a setting."""
+    f = SCALES[scale] * PAPER_STEPS / STEPS
+    return PAPER_LR["prune"] * f, PAPER_LR["merge"] * f
+
+
+# ------------------------------------------------------------------------- inside the reference's environment
+
+
+def _arch() -> dict:
+    cfg = json.loads((SHARED_MODEL / "config.json").read_text())
+    a = cfg["model_args"]
+    keys = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "num_classes")
+    return {k: tuple(a[k]) if isinstance(a[k], list) else a[k] for k in keys}, cfg["pretrained_cfg"]
+
+
+def _register(reference: str) -> None:
+    """Model names for the reference's train script: ``{ltp,ltmp}_vitcifar`` and their ``inference_`` models, the
+    reference's classes with the bundled model's architecture, data config and (``pretrained``) weights."""
+    sys.path.insert(0, reference)
+    import torch
+    from safetensors.torch import load_file
+    from timm.models import register_model
+
+    from ltmp.timm import lt_mergeprune, lt_mergeprune_inference, lt_pruning, lt_pruning_inference
+
+    arch, data_cfg = _arch()
+    classes = {
+        "ltmp_vitcifar": (lt_mergeprune.LTMPVisionTransformer, lt_mergeprune.LTMPBlock),
+        "ltp_vitcifar": (lt_pruning.LTPVisionTransformer, lt_pruning.LTPBlock),
+        "inference_ltmp_vitcifar": (
+            lt_mergeprune_inference.InferenceLTMPVisionTransformer,
+            lt_mergeprune_inference.InferenceLTMPBlock,
+        ),
+        "inference_ltp_vitcifar": (
+            lt_pruning_inference.InferenceLTPVisionTransformer,
+            lt_pruning_inference.InferenceLTPBlock,
+        ),
+    }
+    allowed = ("tau", "drop_rate", "drop_path_rate", "in_chans")
+
+    def entry(name: str):
+        cls, block = classes[name]
+
+        def make(pretrained: bool = False, **kwargs):
+            model = cls(block_fn=block, **arch, **{k: v for k, v in kwargs.items() if k in allowed})
+            model.pretrained_cfg = model.default_cfg = dict(data_cfg)
+            if pretrained:
+                missing, unexpected = model.load_state_dict(load_file(SHARED_MODEL / "model.safetensors"), strict=False)
+                assert not unexpected and all("masker" in k for k in missing), (missing, unexpected)
+            return model
+
+        make.__name__ = name
+        return register_model(make)
+
+    for name in classes:
+        entry(name)
+    torch.manual_seed(SEED)
+
+
+def ref_train(args) -> None:
+    """The reference's tools/train.py on the bundled model (three CPU shims, see the module docstring)."""
+    import importlib.util
+
+    import torch
+
+    _register(args.reference)
+    import timm.utils
+
+    import ltmp as ref_ltmp  # the reference's package (its checkout is first on sys.path)
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    ref_ltmp.utils.benchmark_flops_with_real_data = lambda *a, **k: float("nan")
+    init = timm.utils.init_distributed_device
+
+    def on_cpu(a):
+        a.device = "cpu"
+        return init(a)
+
+    timm.utils.init_distributed_device = on_cpu
+    spec = importlib.util.spec_from_file_location("reference_train", Path(args.reference) / "tools" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    cpu = torch.device("cpu")
+    for fn in (train.train_one_epoch, train.validate):
+        fn.__defaults__ = tuple(cpu if isinstance(d, torch.device) else d for d in fn.__defaults__)
+    prune_lr, merge_lr = learning_rates(args.scale)
+    out = Path(args.out)
+    sys.argv = [
+        "train.py", args.data, "--model", f"{args.method}_vitcifar", "--pretrained", "--val-split", "test",
+        "-b", "128", "--lr", repr(prune_lr), *([repr(merge_lr)] if args.method == "ltmp" else []),
+        "--reduction-target", str(R_TARGET), "--tau", "0.1", "--epochs", "1", "--seed", str(SEED),
+        "--no-prefetcher", "-j", "2", "--log-interval", "10", "--output", str(out.parent), "--experiment", out.name,
+    ]  # fmt: skip
+    train.main()
+
+
+def ref_eval(args) -> None:
+    """The trained thresholds on the test split: the reference's inference model at batch 1 (per image: correct,
+    and per block merged, pruned and kept patch tokens), and its masked training model at batch 128 (the accuracy
+    its train script reports)."""
+    import torch
+    from timm.data import create_dataset, create_transform, resolve_data_config
+    from timm.models import create_model
+
+    _register(args.reference)
+    torch.set_num_threads(2)
+    out = Path(args.out)
+    state = torch.load(out / "last.pth.tar", map_location="cpu", weights_only=False)["state_dict"]
+    thresholds = {k: float(v) for k, v in state.items() if "masker" in k}
+    infer = create_model(f"inference_{args.method}_vitcifar")
+    infer.load_state_dict(state)
+    infer.eval()
+    masked = create_model(f"{args.method}_vitcifar", tau=0.1)
+    masked.load_state_dict(state)
+    masked.eval()
+    tf = create_transform(**resolve_data_config({}, model=infer))
+    data = create_dataset("", root=args.data, split="test", is_training=False)
+    data.transform = tf
+    counts: dict = {}
+
+    def hook(i: int, kind: str):
+        def record(module, inputs, output):
+            if kind == "merge":
+                counts["merged"][i] = int(output.sum())
+            elif kind == "prune":
+                counts["pruned"][i] = int((~output).sum())
+            else:
+                x = output[0] if isinstance(output, tuple) else output
+                counts["kept"][i] = x.shape[1] - 1  # patch tokens (the class token is never removed)
+
+        return record
+
+    for i, blk in enumerate(infer.blocks):
+        blk.register_forward_hook(hook(i, "block"))
+        blk.prune_masker.register_forward_hook(hook(i, "prune"))
+        if hasattr(blk, "merge_masker"):
+            blk.merge_masker.register_forward_hook(hook(i, "merge"))
+    depth = len(infer.blocks)
+    correct, kept, merged, pruned, masked_correct = [], [], [], [], []
+    t0 = time.time()
+    with torch.no_grad():
+        for j in range(len(data)):
+            img, label = data[j]
+            counts.update(merged=[0] * depth, pruned=[0] * depth, kept=[0] * depth)
+            pred = int(infer(img[None]).argmax(-1))
+            correct.append("1" if pred == label else "0")
+            kept.append(list(counts["kept"]))
+            merged.append(list(counts["merged"]))
+            pruned.append(list(counts["pruned"]))
+        loader = torch.utils.data.DataLoader(data, batch_size=128, num_workers=2)
+        for img, label in loader:
+            masked_correct += ["1" if c else "0" for c in (masked(img).argmax(-1) == label).tolist()]
+    result = {
+        "method": args.method, "scale": args.scale, "thresholds": thresholds, "correct": "".join(correct),
+        "kept": kept, "merged": merged, "pruned": pruned, "masked_correct": "".join(masked_correct),
+        "seconds": time.time() - t0, "timm": __import__("timm").__version__, "torch": torch.__version__,
+    }  # fmt: skip
+    tmp = out / "test.json.tmp"
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out / "test.json")
+
+
+# ------------------------------------------------------------------------------ in this project's environment
+
+
+def _ref(args, stage: str, name: str, method: str, scale: str, data: str) -> None:
+    cmd = [args.python, str(HERE), "--stage", stage, "--reference", args.reference, "--method", method,
+           "--scale", scale, "--data", data, "--out", str(Path(args.runs) / name)]  # fmt: skip
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+
+def summarize(args) -> dict:
+    """Train and evaluate what is missing, then the fixed-rate counterparts in this project; the results JSON."""
+    import numpy as np
+    import timm
+    import torch
+
+    sys.path.insert(0, str(HERE.parent))
+    import ltmp
+    from common import compact, pack, run, unpack
+    from ltmp import data as ldata
+    from ltmp.significance import image_test
+
+    data = str(ldata.resolve_root(str(DATA)))
+    model = timm.create_model(f"local-dir:{SHARED_MODEL}", pretrained=True)
+    spec = ltmp.vit_spec(model)
+    runs = Path(args.runs)
+    out: dict = {
+        "reference": _commit(args.reference), "r_target": R_TARGET, "steps": STEPS, "seed": SEED,
+        "machine": f"x86_64 CPU, {torch.get_num_threads()} threads, torch {torch.__version__}", "runs": {},
+    }  # fmt: skip
+    for name, method, scale in runs_of():
+        folder = runs / name
+        if not (folder / "last.pth.tar").exists():
+            _ref(args, "train", name, method, scale, data)
+        if not (folder / "test.json").exists():
+            _ref(args, "eval", name, method, scale, data)
+        t = json.loads((folder / "test.json").read_text())
+        kept = torch.tensor(t["kept"], dtype=torch.float64)  # (images, blocks)
+        g = ltmp.gmacs(spec, kept)  # (images,)
+        merged, pruned = np.array(t["merged"], dtype=float), np.array(t["pruned"], dtype=float)
+        theirs = {
+            "gmacs": float(g.mean()), "per_layer": [
+                {"merged": float(m), "pruned": float(p)} for m, p in zip(merged.mean(0), pruned.mean(0))],
+        }  # fmt: skip
+        (folder / "schedule.json").write_text(json.dumps(theirs))
+        base = ["eval", "--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA),
+                "--val-split", "test", "--method", METHODS[method]]  # fmt: skip
+        rows = {}
+        for kind, flags in (("even", ["--match-gmacs", str(theirs["gmacs"])]), ("own", ["--follow",
+                                                                                       str(folder / "schedule.json")])):
+            path = folder / f"{METHODS[method]}-{kind}.json"
+            if not path.exists():
+                run([*base, *flags, "--json", str(path)])
+            rows[kind] = compact(json.loads(path.read_text()))
+        ours = t["correct"]
+        entry = {
+            "method": method, "scale": scale, "lr": dict(zip(("prune", "merge"), learning_rates(scale))),
+            "thresholds": t["thresholds"], "top1": 100 * ours.count("1") / len(ours),
+            "masked_top1": 100 * t["masked_correct"].count("1") / len(t["masked_correct"]),
+            "gmacs": theirs["gmacs"], "gmacs_dense": ltmp.dense_gmacs(spec), "per_layer": theirs["per_layer"],
+            "correct": pack(ours),
+            "baselines": {},
+        }  # fmt: skip
+        for kind, row in rows.items():
+            diff = image_test([(1.0, [ours]), (-1.0, [unpack(row["correct"])])])
+            entry["baselines"][kind] = {"top1": row["top1"], "gmacs": row["gmacs"], **diff}
+        out["runs"][name] = entry
+    return out
+
+
+def _commit(path: str) -> str:
+    return subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reference", required=True, help="a checkout of github.com/Mxbonn/ltmp")
+    p.add_argument("--python", help="the Python of an environment with timm 0.9.5 for it (see the docstring)")
+    p.add_argument("--runs", default=str(ROOT / "runs" / "reference"))
+    p.add_argument("--json", default=str(ROOT / "results" / "reference.json"))
+    p.add_argument("--stage", choices=["train", "eval"], help=argparse.SUPPRESS)  # inside the reference's env
+    p.add_argument("--method", help=argparse.SUPPRESS)
+    p.add_argument("--scale", help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.stage == "train":
+        return ref_train(args)
+    if args.stage == "eval":
+        return ref_eval(args)
+    if not args.python:
+        p.error("--python: the Python of the reference's environment (timm 0.9.5) is required")
+    result = summarize(args)
+    tmp = Path(args.json + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, args.json)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
