@@ -133,6 +133,23 @@ def test_optimizer_defaults_fill_only_what_is_not_given():
     assert [resolve(TrainConfig(**base, method=m)).optimizer for m in ("ltmp", "ltpm", "ltm")] == ["sgd"] * 3
 
 
+def test_paper_recipe_trains_and_records_every_point(tiny_model, tiny_data, tmp_path):
+    """``--recipe paper`` trains with the reference code's recipe (docs/training.md) and says so in config.json;
+    its thresholds stay in [0, 1] and it does not settle."""
+    from ltmp.config import RECIPES
+
+    out = tmp_path / "paper"
+    args = [a for a in train_args(tiny_model, tiny_data, out, "--steps", "3", "--recipe", "paper", "--no-eval")
+            if a not in ("--lr-prune", "5e-3")]  # the recipe's own learning rates
+    assert main(args) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["recipe"] == "paper" and all(cfg[k] == v for k, v in RECIPES["paper"].items() if k != "batch_size")
+    th = thresholds_of(out / "thresholds.safetensors")
+    assert all(0.0 <= v <= 1.0 for v in th.values())
+    meta = ltmp.read_thresholds(out / "thresholds.safetensors")[1]
+    assert "r_flops_settled" not in meta
+
+
 def test_distill_mixes_label_and_teacher_terms(tiny_model, tiny_data, tmp_path, capsys):
     """--distill W: task loss (1 - W) CE + W KL(unreduced || reduced); the teacher is the same weights unreduced,
     so the KL is 0 while nothing is removed (step 1, from merge 1.0 and prune 0) and positive once tokens go."""

@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 from ._version import __version__
-from .config import FIXED_RATE, LEARNED
+from .config import AUGMENTS, CHOICES, FIXED_RATE, LEARNED, RECIPES
 from .errors import LtmpError
 
 
@@ -129,20 +129,32 @@ def cmd_flops(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    from .train import TrainConfig, train
+def train_config(args):
+    """The ``ltmp train`` arguments as a TrainConfig: the options given, then the recipe's values (``--recipe``),
+    then TrainConfig's defaults."""
+    from .train import TrainConfig
 
-    cfg = TrainConfig(
+    given = dict(
         model=args.model, pretrained=args.pretrained, checkpoint=args.checkpoint, data_dir=args.data_dir,
         output=args.output, r_target=args.r_target, method=args.method, importance=args.importance, tau=args.tau,
         lam=args.lam, budget=args.budget, optimizer=args.optimizer, lr_prune=args.lr_prune, lr_merge=args.lr_merge,
-        merge_init=args.merge_init,
-        prune_init=args.prune_init, mask_grad=args.mask_grad, merge_grad=args.merge_grad, calibrate=args.calibrate,
-        distill=args.distill, settle=not args.no_settle,
-        batch_size=args.batch_size, epochs=args.epochs, steps=args.steps,
-        val_split=args.val_split, holdout=args.holdout, max_train_images=args.max_train_images,
-        augment=args.augment, amp=args.amp, seed=args.seed, checkpoint_every=args.checkpoint_every,
-        workers=args.workers, device=args.device, eval_after=not args.no_eval, compile=args.compile)
+        merge_init=args.merge_init, prune_init=args.prune_init, mask_grad=args.mask_grad, merge_grad=args.merge_grad,
+        calibrate=args.calibrate, distill=args.distill, settle=args.settle, batch_size=args.batch_size,
+        epochs=args.epochs, steps=args.steps, val_split=args.val_split, holdout=args.holdout,
+        max_train_images=args.max_train_images, augment=args.augment, amp=args.amp, seed=args.seed,
+        checkpoint_every=args.checkpoint_every, workers=args.workers, device=args.device, eval_after=not args.no_eval,
+        compile=args.compile, label_smoothing=args.label_smoothing, combine=args.combine,
+        importance_rows=args.importance_rows, train_order=args.train_order, budget_tokens=args.budget_tokens,
+        budget_pool=args.budget_pool, clamp=args.clamp)
+    # the recipe's values where an option was not given, TrainConfig's defaults for the rest
+    return TrainConfig(**{**RECIPES[args.recipe], **{k: v for k, v in given.items() if v is not None}},
+                       recipe=args.recipe)
+
+
+def cmd_train(args) -> int:
+    from .train import train
+
+    cfg = train_config(args)
     result = train(cfg, resume=args.resume, progress=not args.quiet, overwrite=args.overwrite)
     if "thresholds" in result:
         print(f"thresholds: {result['thresholds']}  (steps {result['steps']}, last batch r_FLOPs "
@@ -548,15 +560,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--r-target", type=RATE, required=True, help="FLOPs reduction target in (0, 1] (eq. 14)")
     t.add_argument("--method", default="ltmp", choices=LEARNED)
     t.add_argument("--importance", default="mean", choices=["mean", "cls"])
-    t.add_argument("--tau", type=POSITIVE, default=0.1, help="temperature of eq. 2's sigmoid (> 0)")
-    t.add_argument("--lam", type=NONNEG, default=10.0, help="lambda of eq. 15")
+    t.add_argument("--recipe", default="default", choices=list(RECIPES),
+                   help="paper: every point of the reference code's training recipe (docs/training.md), for the "
+                        "options not given")
+    t.add_argument("--tau", type=POSITIVE, help="temperature of eq. 2's sigmoid (> 0; default 0.1)")
+    t.add_argument("--lam", type=NONNEG, help="lambda of eq. 15 (default 10)")
     t.add_argument("--budget", default="penalty", choices=["penalty", "constraint", "projected"],
                    help="penalty: lambda (r - r_target)^2 (the paper); constraint: plus a multiplier raised by "
                         "dual ascent until r_FLOPs meets the target; projected: steps along the budget's level "
                         "set (the task loss decides where to reduce), then one shared shift meets the target on "
                         "each batch")
     t.add_argument("--lr-prune", type=NONNEG,
-                   help="prune thresholds' learning rate (sgd: the paper's 5e-6 times 9809 / steps; adam: 2e-4)")
+                   help="prune thresholds' learning rate (sgd: the merge rate times the squared ratio of the "
+                        "scores' spreads; adam: 2e-4)")
     t.add_argument("--lr-merge", type=NONNEG,
                    help="merge thresholds' learning rate (sgd: the paper's 5e-3 times 9809 / steps; adam: 2e-3)")
     t.add_argument("--optimizer", choices=["sgd", "adam", "group"],
@@ -565,25 +581,45 @@ def build_parser() -> argparse.ArgumentParser:
                         "merge, prune); default: adam for --method ltp, sgd for the methods that merge")
     t.add_argument("--merge-init", type=FINITE,
                    help="initial merge thresholds (default 1.0: no reduction; the paper's code: 0.9)")
-    t.add_argument("--prune-init", type=FINITE, default=0.0)
-    t.add_argument("--mask-grad", default="secant", choices=["secant", "clamp", "eps"],
-                   help="bounded form of eq. 6's gradient to removed tokens' masks (eps: the reference code's)")
-    t.add_argument("--merge-grad", default="average", choices=["average", "mask"],
-                   help="merge thresholds learn through the masks and merged averages, or the masks only")
+    t.add_argument("--prune-init", type=FINITE, help="initial prune thresholds (default 0)")
+    t.add_argument("--mask-grad", choices=["secant", "clamp", "eps"],
+                   help="bounded form of eq. 6's gradient to removed tokens' masks (default secant; eps: the "
+                        "reference code's)")
+    t.add_argument("--merge-grad", choices=["average", "mask"],
+                   help="merge thresholds learn through the masks and merged averages (default), or the masks only")
     t.add_argument("--calibrate", action="store_true",
                    help="start from thresholds bisected to hit --r-target on 256 training images")
-    t.add_argument("--no-settle", action="store_true",
-                   help="keep the trained thresholds as they are; by default, when r_FLOPs on clean held-out (or "
-                        "training) images miss --r-target by more than 0.01, one shared shift settles them")
-    t.add_argument("--distill", type=number(float, 0, 1), default=0.0, metavar="W",
+    t.add_argument("--settle", action=argparse.BooleanOptionalAction,
+                   help="when r_FLOPs on clean held-out (or training) images miss --r-target by more than 0.01, one "
+                        "shared shift settles the trained thresholds (default: on; --no-settle keeps them)")
+    g = t.add_argument_group("recipe points", "where the paper's recipe (--recipe paper) and the default differ; "
+                                              "docs/training.md measures each")
+    g.add_argument("--label-smoothing", type=number(float, 0, 1, high_open=True),
+                   help="of the cross-entropy (default 0; the reference code: 0.1)")
+    g.add_argument("--combine", choices=CHOICES["combine"],
+                   help="a set-A token that merging and pruning both decide on: the product of their masks "
+                        "(default), or the prune mask overwrites the merge mask (the reference code)")
+    g.add_argument("--importance-rows", choices=CHOICES["importance_rows"],
+                   help="eq. 17 in training over the surviving query rows (default, as eval) or all rows")
+    g.add_argument("--train-order", choices=CHOICES["train_order"],
+                   help="in training, tokens keep their positions (default, as eval) or are reordered set A, set B "
+                        "after every block, with A/B over all positions (the reference code)")
+    g.add_argument("--budget-tokens", choices=CHOICES["budget_tokens"],
+                   help="n of eq. 13: the patch tokens (default, the paper) or all tokens (the reference code)")
+    g.add_argument("--budget-pool", choices=CHOICES["budget_pool"],
+                   help="the budget's r_FLOPs: the mean of each image's (default) or that of the batch's mean masks "
+                        "(the reference code)")
+    g.add_argument("--clamp", choices=CHOICES["clamp"],
+                   help="thresholds within their scores' range (default; merge [-1, 1]) or [0, 1] (the reference)")
+    t.add_argument("--distill", type=number(float, 0, 1), metavar="W",
                    help="weight of distillation from the unreduced model's logits in the task loss (0: labels "
                         "only, the paper; 1: teacher only)")
-    t.add_argument("--epochs", type=POSITIVE, default=1.0)
+    t.add_argument("--epochs", type=POSITIVE, help="passes over the training images (default 1)")
     t.add_argument("--steps", type=COUNT, help="optimizer steps (overrides --epochs)")
-    t.add_argument("--holdout", type=number(float, 0, 1, high_open=True), default=0.0,
-                   help="fraction of train held out for validation")
+    t.add_argument("--holdout", type=number(float, 0, 1, high_open=True),
+                   help="fraction of train held out for validation (default 0; the same images for every --seed)")
     t.add_argument("--max-train-images", type=COUNT, help="train on a fixed random subset of this size")
-    t.add_argument("--augment", default="timm", choices=["timm", "light", "none"])
+    t.add_argument("--augment", choices=AUGMENTS, help="training augmentation (default timm)")
     t.add_argument("--seed", type=SEED, default=0)
     t.add_argument("--checkpoint-every", type=COUNT, default=50, help="steps between checkpoints")
     t.add_argument("--resume", action="store_true", help="continue an interrupted run in --output")

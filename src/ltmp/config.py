@@ -1,4 +1,5 @@
-"""What a patched model reduces: the methods and the configuration every block's reduction step reads."""
+"""What a patched model reduces: the methods and the configuration every block's reduction step reads; and the
+training recipes and augmentations ``ltmp train`` offers (plain data, read by the command line without torch)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,24 @@ LEARNED = tuple(m for m, (_, kind) in METHODS.items() if kind == "threshold")
 FIXED_RATE = tuple(m for m, (_, kind) in METHODS.items() if kind == "topk")
 #: How merge thresholds learn in train mode (``ReduceConfig.merge_grad``).
 MERGE_GRADS = ("average", "mask")
+#: Training augmentations (``ltmp.data.transforms_for``).
+AUGMENTS = ("timm", "timm-random", "light", "none")
+#: Training recipes (``ltmp train --recipe``): the values a recipe gives the options not set on the command line
+#: (the rest keep ``ltmp.train.TrainConfig``'s defaults). "paper" is the reference code's (github Mxbonn/ltmp,
+#: tools/train.py and ltmp/timm/lt_*.py; docs/training.md has each point, where the reference does it, and the
+#: measured effect of switching it to the default): SGD without momentum at the paper's fixed learning rates (5e-6
+#: prune, 5e-3 merge), merge thresholds from 0.9, label smoothing 0.1, the reference's eps form of eq. 6's
+#: gradient with detached merged averages, the prune mask overwriting a set-A token's merge mask, importance over
+#: every query row and A/B over every position (reordered set A, set B) in training, eq. 13 over all tokens with
+#: the batch's mean masks, thresholds clamped to [0, 1], timm's augmentation with random interpolation, 2% held
+#: out, no settle step. Its tau is the paper's 0.1 (the reference's command line defaults to 0.5).
+RECIPES: dict[str, dict] = {
+    "default": {},
+    "paper": dict(optimizer="sgd", lr_merge=5e-3, lr_prune=5e-6, merge_init=0.9, label_smoothing=0.1,
+                  mask_grad="eps", merge_grad="mask", combine="overwrite", importance_rows="all",
+                  train_order="reference", budget_tokens="all", budget_pool="batch", clamp="unit",
+                  augment="timm-random", holdout=0.02, settle=False, tau=0.1, lam=10.0, batch_size=128, epochs=1.0),
+}
 
 
 @dataclasses.dataclass
@@ -43,6 +62,15 @@ class ReduceConfig:
     mask_grad: str = "secant"  # train mode: bounded form of eq. 6's gradient to removed keys' masks (ops.MASK_GRADS)
     merge_grad: str = "average"  # train mode: merge thresholds learn through the masks of eq. 5-7 and the merged
     #                              averages ("average"), or through the masks only ("mask", the reference code)
+    combine: str = "product"  # train mode, a token two of a block's modules decide on (LTMP's set A): its keep mask
+    #                           is the product of theirs ("product"), or the later module's replaces the earlier
+    #                           one's ("overwrite": the reference code, whose merge threshold then learns only from
+    #                           the tokens it merges)
+    importance_rows: str = "survivors"  # train mode: eq. 17 averages over the surviving query rows, or over "all"
+    #                                     rows, removed ones included (the reference code; eval has only survivors)
+    train_order: str = "positions"  # train mode: tokens keep their positions and A/B alternate over the survivors
+    #                                 ("positions", as eval), or A/B alternate over all positions and the tokens
+    #                                 are reordered set A first, then set B, after every block ("reference")
     trace_source: bool = False  # carry a map of which patches each token covers (for viz)
     capture: list | None = None  # analysis: each decision appends its scores and candidates (a Captured)
     fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
@@ -69,3 +97,8 @@ class ReduceConfig:
     def set_starts(self) -> tuple[int, int]:
         """The first positions of ToMe's set A (even) and set B (odd) past the prefix tokens."""
         return self.num_prefix + self.num_prefix % 2, self.num_prefix + 1 - self.num_prefix % 2
+#: The values of ``ltmp.train.TrainConfig``'s recipe options (the first is the default).
+CHOICES = {"combine": ("product", "overwrite"), "importance_rows": ("survivors", "all"),
+           "train_order": ("positions", "reference"), "budget_tokens": ("patches", "all"),
+           "budget_pool": ("image", "batch"), "clamp": ("scores", "unit"), "augment": AUGMENTS,
+           "recipe": tuple(RECIPES)}

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from .config import AUGMENTS
 from .errors import LtmpError, first_line
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -171,7 +172,8 @@ def transforms_for(model: torch.nn.Module, augment: str):
 
     Args:
         augment: ``"timm"``: timm's default training augmentation (RandomResizedCrop scale 0.08-1, flip,
-            colour jitter), as in the paper; ``"light"``: random crop with 1/8 reflect padding and flip (the
+            colour jitter), as in the paper; ``"timm-random"``: the same with a random interpolation per crop (the
+            reference code's train script); ``"light"``: random crop with 1/8 reflect padding and flip (the
             CIFAR pretraining recipe); ``"none"``: the eval transform.
     """
     import timm.data
@@ -179,8 +181,9 @@ def transforms_for(model: torch.nn.Module, augment: str):
 
     cfg = timm.data.resolve_data_config(model=model)
     eval_tf = timm.data.create_transform(**cfg, is_training=False)
-    if augment == "timm":
-        train_tf = timm.data.create_transform(**cfg, is_training=True)
+    if augment in AUGMENTS[:2]:
+        train_tf = timm.data.create_transform(**{**cfg, **({"interpolation": "random"} if augment == "timm-random"
+                                                             else {})}, is_training=True)
     elif augment == "light":
         size = cfg["input_size"][1:]
         train_tf = T.Compose([
@@ -193,7 +196,7 @@ def transforms_for(model: torch.nn.Module, augment: str):
     elif augment == "none":
         train_tf = eval_tf
     else:
-        raise DataError(f"unknown augmentation '{augment}'; choose timm, light or none")
+        raise DataError(f"unknown augmentation '{augment}'; choose one of: {', '.join(AUGMENTS)}")
     return train_tf, eval_tf, cfg
 
 

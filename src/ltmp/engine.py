@@ -187,7 +187,8 @@ def attend(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, state: T
         ls = state.size.view(B, N).log() if state.merged_once else None
         backend = backend_for(plan, view, keep)
         q, k, v = split_heads(plan, qkv, B, N, view.heads, backend == "explicit")  # (B, H, N, D) each
-        w = ops.row_weights(keep, view.heads, ops.wide(qkv.dtype)) if cfg.needs_importance else None  # (B, N)
+        rows = keep if cfg.importance_rows == "survivors" else None  # eq. 17's query rows ("all": every row)
+        w = ops.row_weights(rows, view.heads, ops.wide(qkv.dtype)) if cfg.needs_importance else None  # (B, N)
         o, importance, metric = attention(plan, view, cfg, backend, q, k, v, keep, ls, w)
         return merge_heads(plan, o, (*qkv.shape[:-1], o.shape[1] * o.shape[3])), importance, metric
     ls = L.pad(state.size).log() if state.merged_once else None  # (B, N); -inf at padding (size 0)

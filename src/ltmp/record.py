@@ -80,32 +80,53 @@ def stats(model: nn.Module) -> Record:
     return model.ltmp_record
 
 
-def r_flops(model: nn.Module) -> Tensor:
+def r_flops(model: nn.Module, tokens: str = "patches", pool: str = "image") -> Tensor:
     """Per-image r_FLOPs (eq. 13) of the last forward; differentiable w.r.t. the thresholds in train mode.
 
+    Args:
+        tokens: ``"patches"``: n counts the patch tokens (the paper's footnote: the class token is left out);
+            ``"all"``: n and the kept fractions count the prefix tokens too, which are always kept (the reference
+            code's).
+        pool: ``"image"``: each image's r_FLOPs; ``"batch"``: one r_FLOPs of the batch's mean kept fractions (the
+            reference code's, over the global batch under ``torch.distributed``; eq. 13's quadratic attention
+            term makes the two differ).
+
     Returns:
-        (B,) tensor.
+        (B,) tensor, or (1,) with ``pool="batch"``.
     """
     rec = stats(model)
     adapter, plain = adapter_for(getattr(model, "module", model)), getattr(model, "module", model)
-    return r_flops_from_fracs(rec.keep_frac, rec.num_patches, adapter.embed_dim(plain), adapter.mlp_hidden(plain))
+    n, frac = rec.num_patches, rec.keep_frac  # (B, L + 1)
+    if tokens == "all":
+        frac, n = (frac * n + rec.num_prefix) / (n + rec.num_prefix), n + rec.num_prefix
+    if pool == "batch":
+        frac = _global_mean(frac.mean(0, keepdim=True))  # (1, L + 1)
+    return r_flops_from_fracs(frac, n, adapter.embed_dim(plain), adapter.mlp_hidden(plain))
 
 
-def mean_r_flops(model: nn.Module) -> Tensor:
+def mean_r_flops(model: nn.Module, tokens: str = "patches", pool: str = "image") -> Tensor:
     """The batch mean of r_FLOPs (eq. 13) of the last forward; under ``torch.distributed`` the mean over the
     global batch, all-reduced differentiably across ranks (the budget loss is not linear in it).
+
+    Args:
+        tokens, pool: as for :func:`r_flops`.
 
     Returns:
         () tensor.
     """
-    r = r_flops(model).mean()
+    r = r_flops(model, tokens, pool).mean()
+    return r if pool == "batch" else _global_mean(r)
+
+
+def _global_mean(t: Tensor) -> Tensor:
+    """``t``'s mean over the ranks of ``torch.distributed`` (differentiable), or ``t``."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world = torch.distributed.get_world_size()
         if world > 1:
             from torch.distributed.nn.functional import all_reduce
 
-            r = all_reduce(r) / world
-    return r
+            return all_reduce(t) / world
+    return t
 
 
 def budget_loss(model: nn.Module, r_target: float) -> Tensor:

@@ -308,7 +308,7 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
     B, N = L.batch, L.length
     # the survivors (B, N): train mode's kept tokens, eval's real rows (None: every position)
     alive = (None if state.keep is None else state.keep > 0.5) if plan.train else L.real
-    in_order = not plan.train
+    in_order = not plan.train or cfg.train_order == "reference"  # (reference order: A/B over all positions)
     static = static_counts(cfg, N, rate) if plan.static else None  # fixed rates in eval: the exact counts
     decisions = []
     for op in cfg.ops:
@@ -324,11 +324,29 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
             drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold,
                                             rate if static is None else static[1])
             alive = (_all(plan, B, N, x.device) if alive is None else alive).bitwise_xor(drop)  # (B, N)
-            in_order = False  # (ltpm) a merge after pruning splits A/B over the survivors, not the positions
+            in_order = plan.train and cfg.train_order == "reference"  # (ltpm) else a merge after pruning splits
+            #                                                              A/B over the survivors, not the positions
             decisions.append((drop, cand, soft))
     if plan.train:
-        return _apply_masks(x, state, cfg, decisions)
+        x, state, result = _apply_masks(x, state, cfg, decisions)
+        if cfg.train_order == "reference" and "merge" in cfg.ops:
+            x, state = _reorder(x, state, cfg)
+        return x, state, result
     return _apply_rows(x, state, cfg, plan, decisions, alive, static)
+
+
+def _reorder(x: Tensor, state: TokenState, cfg: ReduceConfig) -> tuple[Tensor, TokenState]:
+    """Train mode with ``train_order="reference"``: the tokens (B, N, C) and their state in the order the reference
+    code leaves them after a block that merges (its ``cat([src, dst])``): the prefix tokens, then set A's
+    positions, then set B's."""
+    pos = torch.arange(x.shape[1], device=x.device)  # (N,)
+    a, b = cfg.set_starts
+    order = torch.cat([pos[: cfg.num_prefix], pos[a::2], pos[b::2]])  # (N,)
+
+    def put(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[:, order]
+
+    return put(x), dataclasses.replace(state, size=put(state.size), keep=put(state.keep), source=put(state.source))
 
 
 def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: list) -> tuple:
@@ -373,7 +391,10 @@ def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: lis
             drop, cand, m = d
             m = torch.where(cand, m, torch.ones_like(m))  # (B, N)
             pruned = drop.sum(1)
-        factor = m if factor is None else factor * m
+        if factor is None:
+            factor = m
+        else:  # a token both modules decide on: the product of their masks, or the later one's alone
+            factor = torch.where(cand, m, factor) if cfg.combine == "overwrite" else factor * m
         touched = cand if touched is None else touched | cand
         keep = torch.where(touched, factor, entering)  # (B, N) eq. 3
     patch_keep = keep[:, cfg.num_prefix:]  # (B, N - P)

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Sampler, Subset
 from . import data as ldata
 from .analysis import ALLOCATION_IMAGES, allocation
 from .calibrate import calibrate, calibration_batch, score_spreads, settle, shift_to_budget
-from .config import LEARNED
+from .config import CHOICES, LEARNED
 from .errors import LtmpError
 from .evaluate import evaluate
 from .flops import budget_loss_value, vit_spec
@@ -67,6 +67,14 @@ class TrainConfig:
     prune_init: float = 0.0  # initial prune thresholds (reference code)
     mask_grad: str = "secant"  # bounded form of eq. 6's gradient to removed tokens' masks (ltmp.ops.MASK_GRADS)
     merge_grad: str = "average"  # merge thresholds learn through masks and merged averages, or masks only ("mask")
+    label_smoothing: float = 0.0  # of the cross-entropy (the reference code: 0.1, timm's default)
+    combine: str = "product"  # a token two modules decide on: the product of their masks, or "overwrite" (ReduceConfig)
+    importance_rows: str = "survivors"  # eq. 17 over the surviving query rows in training, or "all" (ReduceConfig)
+    train_order: str = "positions"  # tokens keep their positions in training, or the "reference" order (ReduceConfig)
+    budget_tokens: str = "patches"  # n of eq. 13: the patch tokens, or "all" tokens (ltmp.record.r_flops)
+    budget_pool: str = "image"  # the budget's r_FLOPs: the mean over images, or of the "batch"'s mean masks
+    clamp: str = "scores"  # thresholds kept within their scores' range, or within [0, 1] ("unit", the reference)
+    recipe: str = "default"  # the RECIPES entry the unset options came from (recorded in config.json)
     calibrate: bool = False  # start from thresholds bisected to hit r_target on a few images (no training)
     settle: bool = True  # after training, shift the thresholds until clean images meet r_target (within 0.01)
     settle_images: int = 1024  # images for that check: held-out ones with --holdout, else training images
@@ -258,11 +266,13 @@ def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig, c
 #: settings that must not change when a run resumes (they decide which images and targets each step sees)
 RESUME_KEYS = ("model", "data_dir", "method", "importance", "r_target", "batch_size", "epochs", "steps", "seed",
                "holdout", "max_train_images", "augment", "train_split", "tau", "lam", "mask_grad", "merge_grad",
-               "budget", "optimizer", "distill")
+               "budget", "optimizer", "distill", "label_smoothing", "combine", "importance_rows", "train_order",
+               "budget_tokens", "budget_pool", "clamp")
 
 
 #: values of settings added later, for checkpoints written before they existed
-LEGACY = {"distill": 0.0}
+LEGACY = {"distill": 0.0, "label_smoothing": 0.0, "combine": "product", "importance_rows": "survivors",
+          "train_order": "positions", "budget_tokens": "patches", "budget_pool": "image", "clamp": "scores"}
 
 
 def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tuple[int, dict[str, float], dict]:
@@ -334,6 +344,11 @@ def validate(cfg: TrainConfig) -> None:
         raise TrainError(f"unknown --budget '{cfg.budget}'; choose one of: {', '.join(BUDGETS)}")
     if not 0.0 <= cfg.distill <= 1.0:
         raise TrainError(f"--distill is a weight in [0, 1] (0: labels only, 1: teacher only), got {cfg.distill}")
+    for key, allowed in CHOICES.items():
+        if getattr(cfg, key) not in allowed:
+            raise TrainError(f"unknown {key} '{getattr(cfg, key)}'; choose one of: {', '.join(allowed)}")
+    if not 0.0 <= cfg.label_smoothing < 1.0:
+        raise TrainError(f"label smoothing must lie in [0, 1), got {cfg.label_smoothing}")
     if cfg.batch_size < 1 or (cfg.steps is not None and cfg.steps < 1) or cfg.epochs <= 0:
         raise TrainError("--batch-size, --steps and --epochs must be positive")
 
@@ -395,6 +410,8 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
         teacher = copy.deepcopy(model).eval().requires_grad_(False).to(device)
     patch(model, cfg.method, tau=cfg.tau, importance=cfg.importance, merge_threshold=cfg.merge_init,
           prune_threshold=cfg.prune_init, mask_grad=cfg.mask_grad, merge_grad=cfg.merge_grad)
+    for key in ("combine", "importance_rows", "train_order"):  # train mode only: eval is the same either way
+        setattr(model.ltmp_config, key, getattr(cfg, key))
     model.to(device)
     threshold_training_mode(model)
     train_set, indices, val_set, data_cfg = build_train_data(cfg, model)
@@ -476,7 +493,7 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
             imgs, labels = imgs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             with amp_context(cfg.amp, device):
                 logits = logits_of(net(imgs))
-            ce = F.cross_entropy(logits.float(), labels)
+            ce = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
             task = ce
             if teacher is not None:
                 with torch.no_grad(), amp_context(cfg.amp, device):
@@ -492,13 +509,13 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
                                         if scaler.is_enabled() else 1.0)
                 if all(p.grad is None or torch.isfinite(p.grad).all() for p in merge_p + prune_p):
                     opt.step()
-                project_thresholds(model, merge_p, prune_p)
+                project_thresholds(model, merge_p, prune_p, cfg.clamp)
                 shift = meet_budget(model, imgs, cfg, device, ddp, carry["shift_step"])
                 carry["shift_step"] = abs(shift["shift"]) or carry["shift_step"]
                 reg = budget_loss_value(r, cfg.r_target)
                 loss = task + cfg.lam * reg  # logged only: the step above follows the task loss alone
             else:
-                r = mean_r_flops(model)  # the global batch's mean under torchrun
+                r = mean_r_flops(model, cfg.budget_tokens, cfg.budget_pool)  # the global batch's under torchrun
                 reg = budget_loss_value(r, cfg.r_target)  # eq. 14, as ltmp.budget_loss
                 loss = task + cfg.lam * reg  # eq. 15, with the distillation term in the task loss if asked
                 if cfg.budget == "constraint":
@@ -506,7 +523,7 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
-                project_thresholds(model, merge_p, prune_p)
+                project_thresholds(model, merge_p, prune_p, cfg.clamp)
                 if cfg.budget == "constraint":  # dual ascent; r is the global batch's on every rank
                     carry["mu"] += 2 * cfg.lam * (float(r.detach()) - cfg.r_target)
             seen += imgs.shape[0] * ddp.world
@@ -695,13 +712,15 @@ def meet_budget(model: nn.Module, imgs: torch.Tensor, cfg: TrainConfig, device: 
 
 
 @torch.no_grad()
-def project_thresholds(model: nn.Module, merge: list[nn.Parameter], prune: list[nn.Parameter]) -> None:
-    """Keep each threshold inside the range of the scores it compares (as the reference code clamps to [0, 1]):
-    merge thresholds in [-1, 1] (cosine similarities), prune thresholds in [0, 1] (mean column attention, eq. 17)
-    or [0, heads] (class attention summed over heads, eq. 16). Outside, every score falls on one side and the
-    sigmoid surrogate (eq. 2) passes almost no gradient, so one large step (an attention sink's gradient, eq. 6)
-    would switch a block's merging or pruning off or on for good."""
-    ranges = score_ranges(model)
+def project_thresholds(model: nn.Module, merge: list[nn.Parameter], prune: list[nn.Parameter],
+                       clamp: str = "scores") -> None:
+    """Keep each threshold inside the range of the scores it compares (``clamp="scores"``): merge thresholds in
+    [-1, 1] (cosine similarities), prune thresholds in [0, 1] (mean column attention, eq. 17) or [0, heads] (class
+    attention summed over heads, eq. 16); or every threshold in [0, 1] (``"unit"``, as the reference code clamps).
+    Outside, every score falls on one side and the sigmoid surrogate (eq. 2) passes almost no gradient, so one
+    large step (an attention sink's gradient, eq. 6) would switch a block's merging or pruning off or on for
+    good."""
+    ranges = score_ranges(model) if clamp == "scores" else dict.fromkeys(THRESHOLD_NAMES, (0.0, 1.0))
     for kind, params in (("merge_threshold", merge), ("prune_threshold", prune)):
         for p in params:
             p.clamp_(*ranges[kind])
