@@ -108,6 +108,25 @@ def test_allocation_of_merging_counts_set_a_and_compares_with_a_merge_threshold(
     assert float(ref.blocks[0].merge_threshold) == pytest.approx(a["shared"]["threshold"])
 
 
+def test_allocation_says_when_an_operation_of_the_method_removed_nothing():
+    """ltmp train and ltmp eval print the allocation; a method that prunes but pruned nothing (or merges but merged
+    nothing) says so in one line, and a method that does both says nothing more."""
+    from ltmp.analysis import format_allocation
+
+    x = images(6)
+    merge_only = allocation(ltmp.patch(make_model("cls", depth=3), "ltmp", merge_threshold=0.8,
+                                       prune_threshold=0.0).eval(), x, shared=False)
+    text = format_allocation(merge_only)
+    assert text.splitlines()[-1] == "note: ltmp pruned no token in any block on these images: it ran as merging alone"
+    both = allocation(ltmp.patch(make_model("cls", depth=3), "ltmp", merge_threshold=0.8,
+                                 prune_threshold=0.02).eval(), x, shared=False)
+    assert sum(both["merged"]) > 0 and sum(both["pruned"]) > 0 and "note:" not in format_allocation(both)
+    prune_only = allocation(ltmp.patch(make_model("cls", depth=3), "ltpm", merge_threshold=1.5,
+                                       prune_threshold=0.02).eval(), x, shared=False)
+    assert format_allocation(prune_only).endswith("ltpm merged no token in any block on these images: it ran as "
+                                                  "pruning alone")
+
+
 def test_rate_schedules_follow_a_shape_at_the_target_gmacs():
     """An even shape gives the even schedule; a learned model's per-layer counts as shape put the rate where it
     removed its tokens, still at the target GMACs."""

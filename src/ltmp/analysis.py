@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .config import METHODS
 from .errors import LtmpError
 from .patching import blocks
 from .viz import save_figure
@@ -153,7 +154,7 @@ def allocation(model: nn.Module, images: torch.Tensor, device: torch.device | st
         cfg.capture = None
     n = len(images)
     patches = model.ltmp_record.num_patches
-    out: dict = {"images": n, "r_flops": r_sum / n}
+    out: dict = {"images": n, "r_flops": r_sum / n, "method": cfg.method}
     for key in counts:
         out[key] = (counts[key] / n).tolist()
         out[f"{key}_frac"] = (counts[key] / n / patches).tolist()
@@ -195,6 +196,11 @@ def format_allocation(a: dict) -> str:
         lines.append(row)
     if "shared" in a:
         lines.append(f"reallocated against the shared threshold: {100 * a['reallocated']:.1f}% of the removed tokens")
+    method = a.get("method", "")
+    for op, key in (("merge", "merged"), ("prune", "pruned")):  # an operation of the method that did nothing
+        if op in METHODS.get(method, ((),))[0] and not any(a[key]):
+            lines.append(f"note: {method} {key} no token in any block on these images: it ran as "
+                         f"{'pruning' if op == 'merge' else 'merging'} alone")
     return "\n".join(lines)
 
 
