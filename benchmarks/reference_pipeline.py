@@ -243,6 +243,7 @@ def summarize(args) -> dict:
     import ltmp
     from common import compact, pack, run, unpack
     from ltmp import data as ldata
+    from ltmp.flops import r_flops_from_fracs
     from ltmp.significance import image_test
 
     data = str(ldata.resolve_root(str(DATA)))
@@ -262,6 +263,8 @@ def summarize(args) -> dict:
         t = json.loads((folder / "test.json").read_text())
         kept = torch.tensor(t["kept"], dtype=torch.float64)  # (images, blocks)
         g = ltmp.gmacs(spec, kept)  # (images,)
+        frac = torch.cat([torch.ones(len(kept), 1, dtype=kept.dtype), kept / spec.num_patches], 1)  # (images, L + 1)
+        r = r_flops_from_fracs(frac, spec.num_patches, spec.embed_dim, spec.mlp_hidden)  # (images,) eq. 13
         merged, pruned = np.array(t["merged"], dtype=float), np.array(t["pruned"], dtype=float)
         theirs = {
             "gmacs": float(g.mean()), "per_layer": [
@@ -282,7 +285,8 @@ def summarize(args) -> dict:
             "method": method, "scale": scale, "lr": dict(zip(("prune", "merge"), learning_rates(scale))),
             "thresholds": t["thresholds"], "top1": 100 * ours.count("1") / len(ours),
             "masked_top1": 100 * t["masked_correct"].count("1") / len(t["masked_correct"]),
-            "gmacs": theirs["gmacs"], "gmacs_dense": ltmp.dense_gmacs(spec), "per_layer": theirs["per_layer"],
+            "gmacs": theirs["gmacs"], "gmacs_dense": ltmp.dense_gmacs(spec), "r_flops": float(r.mean()),
+            "per_layer": theirs["per_layer"],
             "correct": pack(ours),
             "baselines": {},
         }  # fmt: skip

@@ -160,13 +160,16 @@ STUDIES: dict[str, tuple[tuple[float, ...], dict[str, list[str]]]] = {
             "group-projected": ["--optimizer", "group", "--budget", "projected"],
         }.items()
     }),
-    "spread": ((0.5,), {  # issue #52: LTMP whose prune thresholds step in units of their scores' spread
-        f"ltmp-{name}-s{seed}": ["--method", "ltmp", "--seed", str(seed), *extra]
-        for name, extra in {
-            "spread": [],  # the default: SGD, lr_prune = lr_merge (spread_prune / spread_merge)^2
-            "paper-ratio": ["--lr-prune", "1.3978e-4"],  # the paper's 5e-6 scaled to 351 steps: ratio 1,000
-        }.items()
+    "spread": ((0.5,), {  # SGD whose prune thresholds step in units of their scores' spread, against the
+        # defaults before it: for LTMP SGD at the paper's ratio of learning rates, for LTP Adam
+        f"{method}-{name}-s{seed}": ["--method", method, "--seed", str(seed), *extra]
         for seed in range(3)
+        for method, name, extra in (
+            ("ltmp", "spread", []),  # SGD, lr_prune = lr_merge (spread_prune / spread_merge)^2
+            ("ltmp", "paper-ratio", ["--lr-prune", "1.3978e-4"]),  # the paper's 5e-6 scaled to 351 steps
+            ("ltp", "spread", ["--optimizer", "sgd"]),
+            ("ltp", "adam", ["--optimizer", "adam"]),
+        )
     }),
     "recipe": ((0.5,), {  # issue #52: the paper's recipe, and each of its points switched to the default
         f"{method}-{name}": ["--method", method, *flags]
@@ -354,37 +357,36 @@ def allocation_table(runs: Path, study: str = "allocation") -> str:
 
 
 def spread_comparison(runs: Path) -> str:
-    """The "spread" study's verdict: each variant's gap over ToMe at its own GMACs (even schedule), averaged over its
-    seeds image by image, and the difference of the two gaps with the image as the unit
-    (:func:`ltmp.significance.image_test`)."""
+    """The "spread" study's verdicts: each variant's gap over its fixed-rate counterpart at its own GMACs (even
+    schedule: ToMe for LTMP, top-k pruning for LTP), averaged over its seeds image by image, and for each method the
+    difference of the two variants' gaps with the image as the unit (:func:`ltmp.significance.image_test`)."""
     from ltmp.significance import image_test
 
     (target,), variants = STUDIES["spread"]
-    runs_of = {}
+    runs_of: dict[str, list] = {}
     for name in variants:
         folder = runs / f"{name}-r{target}"
         ev, base = record(folder, "eval.json"), record(folder, "heldout-even.json")
         if isinstance(ev, dict) and isinstance(base, dict):
             runs_of.setdefault(name.rsplit("-s", 1)[0], []).append((ev, base))
-    if len(runs_of) < 2:
-        return "spread: pending"
-    lines = ["| variant | seeds | held-out top-1 | r_FLOPs | merged / pruned per image | - ToMe at own GMACs, 95% CI, "
-             "p |", "|---|---|---|---|---|---|"]
+    lines = ["| variant | seeds | held-out top-1 | r_FLOPs | merged / pruned per image | - fixed rate at own GMACs, "
+             "95% CI, p |", "|---|---|---|---|---|---|"]
     terms = {}
     for variant, pairs in runs_of.items():
         terms[variant] = [(1.0, [e["correct"] for e, _ in pairs]), (-1.0, [b["correct"] for _, b in pairs])]
         t = image_test(terms[variant])
-        top1 = sum(e["top1"] for e, _ in pairs) / len(pairs)
-        r = sum(e["r_flops"] for e, _ in pairs) / len(pairs)
-        merged = sum(sum(layer["merged"] for layer in e["per_layer"]) for e, _ in pairs) / len(pairs)
-        pruned = sum(sum(layer["pruned"] for layer in e["per_layer"]) for e, _ in pairs) / len(pairs)
-        lines.append(f"| {variant} | {len(pairs)} | {top1:.2f} | {r:.3f} | {merged:.1f} / {pruned:.1f} | "
-                     f"{t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}), p={t['p_value']:.2g} |")
-    a, b = "ltmp-spread", "ltmp-paper-ratio"
-    if a in terms and b in terms:
-        t = image_test(terms[a] + [(-w, c) for w, c in terms[b]])
-        lines.append(f"\n{a} - {b}, gaps over ToMe: {t['diff']:+.2f} points (95% CI {t['ci'][0]:+.2f} to "
-                     f"{t['ci'][1]:+.2f}), p = {t['p_value']:.2g}, {t['images']} held-out images as the unit")
+        mean = {k: sum(f(e) for e, _ in pairs) / len(pairs) for k, f in (
+            ("top1", lambda e: e["top1"]), ("r", lambda e: e["r_flops"]),
+            ("merged", lambda e: sum(layer["merged"] for layer in e["per_layer"])),
+            ("pruned", lambda e: sum(layer["pruned"] for layer in e["per_layer"])))}
+        lines.append(f"| {variant} | {len(pairs)} | {mean['top1']:.2f} | {mean['r']:.3f} | {mean['merged']:.1f} / "
+                     f"{mean['pruned']:.1f} | {t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}), "
+                     f"p={t['p_value']:.2g} |")
+    for a, b in (("ltmp-spread", "ltmp-paper-ratio"), ("ltp-spread", "ltp-adam")):
+        if a in terms and b in terms:
+            t = image_test(terms[a] + [(-w, c) for w, c in terms[b]])
+            lines.append(f"\n{a} - {b}, gaps over the fixed rate: {t['diff']:+.2f} points (95% CI {t['ci'][0]:+.2f} "
+                         f"to {t['ci'][1]:+.2f}), p = {t['p_value']:.2g}, {t['images']} held-out images as the unit")
     return "\n".join(lines)
 
 
