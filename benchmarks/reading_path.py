@@ -20,7 +20,8 @@ else on its own (a closure made by ``ltmp.patch`` runs without its maker). Code 
 
 Docstrings and comments are excluded and formatting does not matter: statements and tokens, not lines.
 
-    python benchmarks/reading_path.py [--method ltmp|ltpm|ltm|ltp|tome] [--r 4] [--batch 8] [--json FILE]
+    python benchmarks/reading_path.py [--method ltmp|ltpm|ltm|ltp|tome] [--merge 0.9] [--prune 0.0138] [--r 4]
+        [--batch 8] [--json FILE]
 """
 
 from __future__ import annotations
