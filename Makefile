@@ -16,5 +16,6 @@ demo: setup
 	$(BIN)/ltmp demo
 
 test: setup
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests

@@ -10,6 +10,7 @@ each against dense, and this checkout against the other commit.
     python benchmarks/ab.py --base 8fc40c6 --model cifar --batch-size 1 --method tome
     python benchmarks/ab.py --base 051fca3 --model cifar --batch-size 64 --train   # train fwd + bwd, new / base
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ from ltmp.bench import allocator, compare_models, paired_ratio
 
 def load_base(commit: str, folder: Path):
     """The package ``ltmp_base``: ``src/ltmp`` at ``commit``."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "src/ltmp"], check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, "src/ltmp"], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     (folder / "src" / "ltmp").rename(folder / "ltmp_base")
     sys.path.insert(0, str(folder))
@@ -64,15 +66,18 @@ def main() -> int:
             new = at_gmacs(dense, args.method, mean_gmacs(new, x))
             key = "r" if args.method == "tome" else "k"
             base = base_pkg.patch(copy.deepcopy(dense), args.method, **{key: new.ltmp_config.rate}).eval()
-        inputs = x[:args.batch_size] if args.batch_size > 1 else [x[i:i + 1] for i in range(8)]
+        inputs = x[: args.batch_size] if args.batch_size > 1 else [x[i : i + 1] for i in range(8)]
         with torch.no_grad():
             a, b = new(x[:8]), base(x[:8])
             same = torch.equal(ltmp.stats(new).kept, base_pkg.stats(base).kept)
-            print(f"{args.model} {args.method} (calibrated r_FLOPs {r:.3f}), batch {args.batch_size}, this checkout "
-                  f"against {args.base}: same kept counts {same}, max |logit difference| "
-                  f"{float((a - b).abs().max()):.2e}; {allocator()}")
-            timed = compare_models({"dense": dense, "new": new, "base": base}, inputs, warmup=1, reps=args.reps,
-                                   rounds=args.rounds)
+            print(
+                f"{args.model} {args.method} (calibrated r_FLOPs {r:.3f}), batch {args.batch_size}, this checkout "
+                f"against {args.base}: same kept counts {same}, max |logit difference| "
+                f"{float((a - b).abs().max()):.2e}; {allocator()}"
+            )
+            timed = compare_models(
+                {"dense": dense, "new": new, "base": base}, inputs, warmup=1, reps=args.reps, rounds=args.rounds
+            )
     for num, den in (("new", "dense"), ("base", "dense"), ("new", "base")):
         v = paired_ratio(timed, num, den)
         print(f"  {num} / {den}: {v['median']:.3f} (quartiles {v['p25']:.3f}-{v['p75']:.3f})")
@@ -98,8 +103,10 @@ def train_ab(args, base_pkg) -> int:
 
     ratios = [step(*pairs[0]) / step(*pairs[1]) for _ in range(2 + args.rounds * args.reps)][2:]
     q = statistics.quantiles(ratios, n=4)
-    print(f"{args.model} ltmp train step, batch {args.batch_size}, this checkout / {args.base}: "
-          f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, {len(ratios)} pairs)")
+    print(
+        f"{args.model} ltmp train step, batch {args.batch_size}, this checkout / {args.base}: "
+        f"{statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}, {len(ratios)} pairs)"
+    )
     return 0
 
 

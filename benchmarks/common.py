@@ -13,6 +13,7 @@ images of the speed studies, and the one training-free calibration recipe they u
   images (per-layer quantiles that merge a fraction f of set A and prune f/2 of the rest, f bisected to hit
   r_target).
 """
+
 from __future__ import annotations
 
 import copy
@@ -87,8 +88,13 @@ def at_gmacs(dense: torch.nn.Module, method: str, gmacs: float) -> torch.nn.Modu
     return ltmp.patch(copy.deepcopy(dense), method, **{"r" if method == "tome" else "k": sched}).eval()
 
 
-def calibrated(dense: torch.nn.Module, target: float, device: torch.device | str = "cpu", method: str = "ltmp",
-               images: torch.Tensor | None = None) -> tuple[torch.nn.Module, float]:
+def calibrated(
+    dense: torch.nn.Module,
+    target: float,
+    device: torch.device | str = "cpu",
+    method: str = "ltmp",
+    images: torch.Tensor | None = None,
+) -> tuple[torch.nn.Module, float]:
     """A copy of ``dense`` patched with ``method`` and thresholds calibrated to ``target`` (the recipe above), in
     eval mode on ``device``; and the r_FLOPs reached on the calibration images."""
     model = ltmp.patch(copy.deepcopy(dense), method).to(device)

@@ -6,6 +6,7 @@ thresholds that ``ltmp train`` logs after every step (``log.jsonl``), without re
 Each run folder needs ``config.json`` and ``log.jsonl`` (per-step ``merge``/``prune`` thresholds). Step 0 is the
 initial thresholds. Evaluation: the run's model on ``--val-split`` (default test) of its data.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,10 @@ from ltmp.thresholds import atomic_write, set_thresholds
 
 def thresholds_at(log: list[dict], step: int, cfg: dict, depth: int) -> dict[str, torch.Tensor]:
     if step == 0:
-        return {"merge_threshold": torch.full((depth,), float(cfg["merge_init"])),
-                "prune_threshold": torch.full((depth,), float(cfg["prune_init"]))}
+        return {
+            "merge_threshold": torch.full((depth,), float(cfg["merge_init"])),
+            "prune_threshold": torch.full((depth,), float(cfg["prune_init"])),
+        }
     line = next(rec for rec in log if rec["step"] == step)
     return {"merge_threshold": torch.tensor(line["merge"]), "prune_threshold": torch.tensor(line["prune"])}
 
@@ -56,12 +59,22 @@ def main(argv: list[str] | None = None) -> None:
             th = {k: v for k, v in thresholds_at(log, step, cfg, len(model.blocks)).items() if k in kinds}
             set_thresholds(model, th)
             ev = evaluate(model, loader, "cpu", progress=False)
-            row = {"run": run, "r_target": cfg["r_target"], "step": step, "images": step * cfg["batch_size"],
-                   "top1": ev["top1"], "r_flops": ev["r_flops"], "gmacs": ev["gmacs"],
-                   "pruned_per_image": sum(layer["pruned"] for layer in ev["per_layer"])}
+            row = {
+                "run": run,
+                "r_target": cfg["r_target"],
+                "step": step,
+                "images": step * cfg["batch_size"],
+                "top1": ev["top1"],
+                "r_flops": ev["r_flops"],
+                "gmacs": ev["gmacs"],
+                "pruned_per_image": sum(layer["pruned"] for layer in ev["per_layer"]),
+            }
             results.append(row)
-            print(f"{Path(run).name} step {step:4d} ({row['images']:6d} images): top-1 {row['top1']:.2f}%, "
-                  f"r_FLOPs {row['r_flops']:.3f}, pruned/image {row['pruned_per_image']:.2f}", flush=True)
+            print(
+                f"{Path(run).name} step {step:4d} ({row['images']:6d} images): top-1 {row['top1']:.2f}%, "
+                f"r_FLOPs {row['r_flops']:.3f}, pruned/image {row['pruned_per_image']:.2f}",
+                flush=True,
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out, lambda tmp: Path(tmp).write_text(json.dumps(results, indent=1)))
 

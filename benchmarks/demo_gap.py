@@ -15,6 +15,7 @@ the demo's recipe and variants of it on the bundled model, and evaluates each, a
 
 Finished runs and evaluations are kept under ``--runs`` and reused.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,20 +57,41 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variant {unknown[0]}; choose from {', '.join(VARIANTS)}")
-    rows = ["| variant | test images | LTMP r_FLOPs | LTMP top-1 | ToMe top-1 | LTMP - ToMe | McNemar p |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| variant | test images | LTMP r_FLOPs | LTMP top-1 | ToMe top-1 | LTMP - ToMe | McNemar p |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name in args.variants:
         folder = Path(args.runs) / f"{name}-r{args.r_target}"
         flags = VARIANTS[name]
         if not (folder / "thresholds.safetensors").exists():
             data = [] if "--data-dir" in flags else ["--data-dir", BUNDLED_DATA]
-            run(["train", "--model", BUNDLED_MODEL, "--pretrained", *data, "--val-split", "test", "--r-target",
-                 str(args.r_target), "--output", str(folder), "--no-eval", "--seed", str(DEMO.seed), *flags]
-                + (["--resume"] if folder.exists() else []))
+            run(
+                [
+                    "train",
+                    "--model",
+                    BUNDLED_MODEL,
+                    "--pretrained",
+                    *data,
+                    "--val-split",
+                    "test",
+                    "--r-target",
+                    str(args.r_target),
+                    "--output",
+                    str(folder),
+                    "--no-eval",
+                    "--seed",
+                    str(DEMO.seed),
+                    *flags,
+                ]
+                + (["--resume"] if folder.exists() else [])
+            )
         for tag, data in SPLITS.items():
             a, b = evaluate(folder, tag, data)
-            rows.append(f"| {name} | {a['images']:,} | {a['r_flops']:.3f} | {a['top1']:.2f} | {b['top1']:.2f} | "
-                        f"{a['top1'] - b['top1']:+.2f} | {b['paired_test']['p_value']:.2g} |")
+            rows.append(
+                f"| {name} | {a['images']:,} | {a['r_flops']:.3f} | {a['top1']:.2f} | {b['top1']:.2f} | "
+                f"{a['top1'] - b['top1']:+.2f} | {b['paired_test']['p_value']:.2g} |"
+            )
         print("\n".join(rows), flush=True)
     return 0
 

@@ -12,6 +12,7 @@ quartiles over rounds and the targets of issue #39 (LTMP <= GMACs ratio + 0.06, 
     python benchmarks/deployed.py --json results/deployed.json
     python benchmarks/deployed.py --runtime openvino --runs 1 --json results/deployed-openvino.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,20 +37,29 @@ def eager_ratio(dense, reduced, images, threads: int, reps: int, rounds: int) ->
     singles = [x[None] for x in images]
     timed = compare_models({"dense": dense, "reduced": reduced}, singles, warmup=2, reps=reps, rounds=rounds)
     r = paired_ratio(timed, "reduced", "dense")
-    return {"time_ratio": r["median"], "time_ratio_iqr": [r["p25"], r["p75"]],
-            "dense_ms": 1000 * timed["dense"]["median"] / len(singles)}
+    return {
+        "time_ratio": r["median"],
+        "time_ratio_iqr": [r["p25"], r["p75"]],
+        "dense_ms": 1000 * timed["dense"]["median"] / len(singles),
+    }
 
 
 def print_row(row: dict, runtime: str) -> None:
     run, eager, ops = row["deployed"], row["eager"], row["graph_ops"]
-    print(f"{row['model']} {row['method']} {row['threads']} thr, run {row['run']}: GMACs ratio "
-          f"{row['gmacs_ratio']:.3f}; {runtime} {run['time_ratio']:.3f} (IQR {run['time_ratio_iqr'][0]:.3f}-"
-          f"{run['time_ratio_iqr'][1]:.3f}, dense {run['dense_ms']['median']:.1f} ms), target <= {row['target']:.3f} "
-          f"{'met' if run['time_ratio'] <= row['target'] else 'MISSED'}"
-          + (f"; eager {eager['time_ratio']:.3f} (dense {eager['dense_ms']:.1f} ms)" if eager else "")
-          + f"; |logit diff| {row['max_abs_diff_vs_eager']['reduced']:.1e}"
-          + (f"; ONNX nodes dense {sum(ops['dense'].values())}, {row['method']} {sum(ops['reduced'].values())}"
-             if ops else ""), flush=True)
+    print(
+        f"{row['model']} {row['method']} {row['threads']} thr, run {row['run']}: GMACs ratio "
+        f"{row['gmacs_ratio']:.3f}; {runtime} {run['time_ratio']:.3f} (IQR {run['time_ratio_iqr'][0]:.3f}-"
+        f"{run['time_ratio_iqr'][1]:.3f}, dense {run['dense_ms']['median']:.1f} ms), target <= {row['target']:.3f} "
+        f"{'met' if run['time_ratio'] <= row['target'] else 'MISSED'}"
+        + (f"; eager {eager['time_ratio']:.3f} (dense {eager['dense_ms']:.1f} ms)" if eager else "")
+        + f"; |logit diff| {row['max_abs_diff_vs_eager']['reduced']:.1e}"
+        + (
+            f"; ONNX nodes dense {sum(ops['dense'].values())}, {row['method']} {sum(ops['reduced'].values())}"
+            if ops
+            else ""
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -69,26 +79,47 @@ def main() -> None:
         for reduced in (mine, tome):
             method = reduced.ltmp_config.method
             for r in range(1, args.runs + 1):  # each run exports and times anew; eager in the first only
-                dep = bench_deployed(dense, reduced, images, args.runtime, args.threads, reps=args.reps,
-                                     rounds=args.rounds)
+                dep = bench_deployed(
+                    dense, reduced, images, args.runtime, args.threads, reps=args.reps, rounds=args.rounds
+                )
                 for run in dep["runs"]:
-                    row = {"model": name, "method": method, "run": r, "threads": run["threads"],
-                           "gmacs_ratio": dep["gmacs_ratio"], "deployed": run,
-                           "max_abs_diff_vs_eager": dep["max_abs_diff_vs_eager"], "graph_ops": dep["graph_ops"],
-                           "eager": eager_ratio(dense, reduced, images, run["threads"], args.reps, args.rounds)
-                           if r == 1 else None, "target": dep["gmacs_ratio"] + TARGET_MARGIN[method]}
+                    row = {
+                        "model": name,
+                        "method": method,
+                        "run": r,
+                        "threads": run["threads"],
+                        "gmacs_ratio": dep["gmacs_ratio"],
+                        "deployed": run,
+                        "max_abs_diff_vs_eager": dep["max_abs_diff_vs_eager"],
+                        "graph_ops": dep["graph_ops"],
+                        "eager": eager_ratio(dense, reduced, images, run["threads"], args.reps, args.rounds)
+                        if r == 1
+                        else None,
+                        "target": dep["gmacs_ratio"] + TARGET_MARGIN[method],
+                    }
                     rows.append(row)
                     print_row(row, args.runtime)
     for key in sorted({(r["model"], r["method"], r["threads"]) for r in rows}):
         runs = [r for r in rows if (r["model"], r["method"], r["threads"]) == key]
         held = sum(r["deployed"]["time_ratio"] <= r["target"] for r in runs)
         ratios = ", ".join(f"{r['deployed']['time_ratio']:.3f}" for r in runs)
-        print(f"{key[0]} {key[1]} {key[2]} thr: time ratios {ratios} against <= {runs[0]['target']:.3f}: held in "
-              f"{held} of {len(runs)} runs")
-    out = {"runtime": args.runtime, "images": args.images, "reps": args.reps, "rounds": args.rounds,
-           "runs": args.runs, "machine": platform.machine(), "processor": platform.processor(),
-           "cpus": os.cpu_count(),
-           "torch": torch.__version__, "ltmp": ltmp.__version__, "rows": rows}
+        print(
+            f"{key[0]} {key[1]} {key[2]} thr: time ratios {ratios} against <= {runs[0]['target']:.3f}: held in "
+            f"{held} of {len(runs)} runs"
+        )
+    out = {
+        "runtime": args.runtime,
+        "images": args.images,
+        "reps": args.reps,
+        "rounds": args.rounds,
+        "runs": args.runs,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "ltmp": ltmp.__version__,
+        "rows": rows,
+    }
     if args.json:
         write_json(Path(args.json), out)
 

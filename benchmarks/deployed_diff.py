@@ -7,6 +7,7 @@ logits differ by more than ``--tol``, the smallest |score - threshold| over its 
 
     python benchmarks/deployed_diff.py --model deit-s --images 60
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         deployed = load_deployed(deploy(model, images[:1], "onnx", tmp, "ltmp"), "onnx", threads=1)
         for i in range(len(images)):
-            x = images[i:i + 1]
+            x = images[i : i + 1]
             cfg.capture = []
             with torch.no_grad():
                 diff = float((deployed(x) - model(x)).abs().max())
-            nearest = min(float((c.scores[c.candidates] - thresholds[f"blocks.{c.layer}.{c.op}_threshold"]).abs().min())
-                          for c in cfg.capture if c.candidates.any())
+            nearest = min(
+                float((c.scores[c.candidates] - thresholds[f"blocks.{c.layer}.{c.op}_threshold"]).abs().min())
+                for c in cfg.capture
+                if c.candidates.any()
+            )
             cfg.capture = None
             if diff > args.tol:
                 print(f"image {i}: |logit difference| {diff:.2e}; nearest score to a threshold {nearest:.2e}")

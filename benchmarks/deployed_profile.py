@@ -19,6 +19,7 @@ each or two (``mean_forms``): why an export takes the rows first.
 
     python benchmarks/deployed_profile.py --model deit-s
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,7 @@ def profile(path: Path, images: list[torch.Tensor], threads: int, reps: int, fol
         for x in images:
             session.run(None, {name: x.numpy()})
     events = json.loads(Path(session.end_profiling()).read_text())
-    runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][len(images):]
+    runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][len(images) :]
     start = runs[0]["ts"]
     nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= start]
     us, other = collections.Counter(), collections.Counter()
@@ -64,9 +65,12 @@ def profile(path: Path, images: list[torch.Tensor], threads: int, reps: int, fol
         if not matrix:
             other[e["args"]["op_name"]] += e["dur"]
     n = len(runs)
-    return {"ms": {k: v / 1000 / n for k, v in us.items()}, "nodes_run": len(nodes) / n,
-            "run_ms": sum(e["dur"] for e in runs) / 1000 / n,
-            "other_ms": {k: v / 1000 / n for k, v in other.most_common(6)}}
+    return {
+        "ms": {k: v / 1000 / n for k, v in us.items()},
+        "nodes_run": len(nodes) / n,
+        "run_ms": sum(e["dur"] for e in runs) / 1000 / n,
+        "other_ms": {k: v / 1000 / n for k, v in other.most_common(6)},
+    }
 
 
 def linear_floor(dense: torch.nn.Module, tokens: int, threads: int, reps: int = 20) -> tuple[float, float]:
@@ -78,17 +82,26 @@ def linear_floor(dense: torch.nn.Module, tokens: int, threads: int, reps: int = 
     widths = sorted({m.in_features for m in layers})
     nodes, weights = [], []
     for i, m in enumerate(layers):
-        weights += [numpy_helper.from_array(m.weight.detach().numpy(), f"w{i}"),
-                    numpy_helper.from_array(m.bias.detach().numpy(), f"b{i}")]
+        weights += [
+            numpy_helper.from_array(m.weight.detach().numpy(), f"w{i}"),
+            numpy_helper.from_array(m.bias.detach().numpy(), f"b{i}"),
+        ]
         nodes.append(helper.make_node("Gemm", [f"x{m.in_features}", f"w{i}", f"b{i}"], [f"y{i}"], transB=1))
-    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info(f"x{w}", TensorProto.FLOAT, ["m", w])
-                                                for w in widths],
-                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None)
-                               for i in range(len(layers))], weights)
+    graph = helper.make_graph(
+        nodes,
+        "linear",
+        [helper.make_tensor_value_info(f"x{w}", TensorProto.FLOAT, ["m", w]) for w in widths],
+        [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(len(layers))],
+        weights,
+    )
     session = _session(graph, threads)
     rows = [tokens, 3 * tokens // 4, tokens // 2, tokens // 4, 8]
-    ms = [_time_ms(session, {f"x{w}": np.random.default_rng(0).standard_normal((m, w), dtype=np.float32)
-                             for w in widths}, reps) for m in rows]
+    ms = [
+        _time_ms(
+            session, {f"x{w}": np.random.default_rng(0).standard_normal((m, w), dtype=np.float32) for w in widths}, reps
+        )
+        for m in rows
+    ]
     b, a = np.polyfit(rows, ms, 1)
     return float(a), float(b)
 
@@ -130,8 +143,13 @@ def mean_forms(threads: int, heads: int = 6, n: int = 197) -> dict[str, float]:
             axes.append(helper.make_tensor(f"a{i}", TensorProto.INT64, [len(ax)], list(ax)))
             nodes.append(helper.make_node("ReduceMean", [prev, f"a{i}"], [f"t{i}"], keepdims=0))
             prev = f"t{i}"
-        graph = helper.make_graph(nodes, "mean", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
-                                  [helper.make_tensor_value_info(prev, TensorProto.FLOAT, None)], axes)
+        graph = helper.make_graph(
+            nodes,
+            "mean",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+            [helper.make_tensor_value_info(prev, TensorProto.FLOAT, None)],
+            axes,
+        )
         out[label] = 1000 * _time_ms(_session(graph, threads), {"x": x}, 200)
     return out
 
@@ -151,24 +169,36 @@ def main() -> None:
             by_threads = {t: profile(path, singles, t, args.reps, folder) for t in (1, 2)}
             for t, p in by_threads.items():
                 parts = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(p["ms"].items()))
-                print(f"{args.model} {label} {t} thr: run {p['run_ms']:.2f} ms per image; {parts}; "
-                      f"{p['nodes_run']:.0f} nodes run; most time in other nodes: "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in p["other_ms"].items()), flush=True)
+                print(
+                    f"{args.model} {label} {t} thr: run {p['run_ms']:.2f} ms per image; {parts}; "
+                    f"{p['nodes_run']:.0f} nodes run; most time in other nodes: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in p["other_ms"].items()),
+                    flush=True,
+                )
             one, two = by_threads[1], by_threads[2]
             speed = {k: one["ms"][k] / two["ms"][k] for k in one["ms"]}
-            print(f"{args.model} {label} two-thread speed-up: run {one['run_ms'] / two['run_ms']:.2f}"
-                  + "".join(f", {k} {v:.2f}" for k, v in sorted(speed.items())), flush=True)
+            print(
+                f"{args.model} {label} two-thread speed-up: run {one['run_ms'] / two['run_ms']:.2f}"
+                + "".join(f", {k} {v:.2f}" for k, v in sorted(speed.items())),
+                flush=True,
+            )
     r = mean_gmacs(mine, images) / dense_gmacs(vit_spec(dense))
     n = dense.patch_embed.num_patches + dense.num_prefix_tokens
     for t in (1, 2):
         a, b = linear_floor(dense, n, t)
         floor = (a + b * r * n) / (a + b * n)
-        print(f"{args.model} linear layers {t} thr: {a:.2f} ms + {1000 * b:.1f} us per token row "
-              f"({a / (a + b * n):.3f} of their dense {a + b * n:.2f} ms is fixed); at LTMP's GMACs ratio {r:.3f} "
-              f"they take {floor:.3f} of their dense time ({floor - r:+.3f})", flush=True)
+        print(
+            f"{args.model} linear layers {t} thr: {a:.2f} ms + {1000 * b:.1f} us per token row "
+            f"({a / (a + b * n):.3f} of their dense {a + b * n:.2f} ms is fixed); at LTMP's GMACs ratio {r:.3f} "
+            f"they take {floor:.3f} of their dense time ({floor - r:+.3f})",
+            flush=True,
+        )
     for t in (1, 2):
-        print(f"eq. 17's mean of (1, 6, 197, 197), {t} thr: "
-              + ", ".join(f"{k} {v:.1f} us" for k, v in mean_forms(t).items()), flush=True)
+        print(
+            f"eq. 17's mean of (1, 6, 197, 197), {t} thr: "
+            + ", ".join(f"{k} {v:.1f} us" for k, v in mean_forms(t).items()),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

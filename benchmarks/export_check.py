@@ -9,6 +9,7 @@ images that differ and the largest difference.
 
     python benchmarks/export_check.py --images 10000 --data-dir ../shared/data/cifar10/cifar10-jpeg.tar.gz
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,13 +54,15 @@ def main() -> None:
             worst, differ = 0.0, []
             with torch.no_grad():
                 for i in range(len(x)):
-                    d = float((exported(x[i:i + 1]) - model(x[i:i + 1])).abs().max())
+                    d = float((exported(x[i : i + 1]) - model(x[i : i + 1])).abs().max())
                     worst = max(worst, d)
                     if d > 1e-4:
                         differ.append(i)
-        print(f"{method}: {len(differ)} of {len(x)} test images differ from eager (> 1e-4), largest |logit "
-              f"difference| {worst:.1e}{'; images ' + str(differ[:10]) if differ else ''} (export {took:.0f} s)",
-              flush=True)
+        print(
+            f"{method}: {len(differ)} of {len(x)} test images differ from eager (> 1e-4), largest |logit "
+            f"difference| {worst:.1e}{'; images ' + str(differ[:10]) if differ else ''} (export {took:.0f} s)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

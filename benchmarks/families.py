@@ -8,6 +8,7 @@ time ratios: reduced / dense within each library, and transformers / timm.
     python benchmarks/families.py --batch-size 32
     python benchmarks/families.py --batch-size 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,17 +38,28 @@ def main() -> int:
     reduced_hf = ltmp.patch(copy.deepcopy(dense_hf), "ltmp").eval()
     ltmp.thresholds.set_thresholds(reduced_hf, ltmp.thresholds.threshold_tensors(reduced))
     x = load_images(dense, "test", max(args.batch_size, 8))
-    inputs = x[:args.batch_size] if args.batch_size > 1 else [x[i:i + 1] for i in range(8)]
+    inputs = x[: args.batch_size] if args.batch_size > 1 else [x[i : i + 1] for i in range(8)]
     with torch.no_grad():
         reduced(x[:8])
         reduced_hf(x[:8])
         same = torch.equal(ltmp.stats(reduced).kept, ltmp.stats(reduced_hf).kept)
-        print(f"cifar ltmp (calibrated r_FLOPs {r:.3f}), batch {args.batch_size}: timm and transformers keep the "
-              f"same tokens: {same}")
-        timed = compare_models({"timm dense": dense, "timm ltmp": reduced, "hf dense": dense_hf,
-                                "hf ltmp": reduced_hf}, inputs, warmup=1, reps=args.reps, rounds=args.rounds)
-    for num, den in (("timm ltmp", "timm dense"), ("hf ltmp", "hf dense"), ("hf dense", "timm dense"),
-                     ("hf ltmp", "timm ltmp")):
+        print(
+            f"cifar ltmp (calibrated r_FLOPs {r:.3f}), batch {args.batch_size}: timm and transformers keep the "
+            f"same tokens: {same}"
+        )
+        timed = compare_models(
+            {"timm dense": dense, "timm ltmp": reduced, "hf dense": dense_hf, "hf ltmp": reduced_hf},
+            inputs,
+            warmup=1,
+            reps=args.reps,
+            rounds=args.rounds,
+        )
+    for num, den in (
+        ("timm ltmp", "timm dense"),
+        ("hf ltmp", "hf dense"),
+        ("hf dense", "timm dense"),
+        ("hf ltmp", "timm ltmp"),
+    ):
         v = paired_ratio(timed, num, den)
         print(f"  {num} / {den}: {v['median']:.3f} (quartiles {v['p25']:.3f}-{v['p75']:.3f})")
     return 0

@@ -13,6 +13,7 @@ entries with |reference| > 1e-2).
 
 Needs ``../shared`` (the model, the CIFAR-10 archive and the reference figures).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,17 +81,26 @@ def case_gradients(model, images: torch.Tensor, labels: torch.Tensor, case: dict
     import ltmp
     from ltmp.train import threshold_training_mode
 
-    ltmp.patch(model, case["method"], tau=0.1, merge_threshold=case["merge_threshold"],
-               prune_threshold=case["prune_threshold"], **patch_options)
+    ltmp.patch(
+        model,
+        case["method"],
+        tau=0.1,
+        merge_threshold=case["merge_threshold"],
+        prune_threshold=case["prune_threshold"],
+        **patch_options,
+    )
     threshold_training_mode(model)
     logits = model(images.to(next(model.parameters()).dtype))
     ce = F.cross_entropy(logits, labels)
     budget = LAMBDA * ltmp.budget_loss(model, case["r_target"])
     rec = ltmp.stats(model)
-    out = {"r_flops": float(ltmp.r_flops(model).detach().mean()),
-           "kept_per_layer": (rec.kept.double().mean(0) + rec.num_prefix).tolist()}
-    params = {kind: [p for n, p in model.named_parameters() if n.endswith(f"{kind}_threshold")]
-              for kind in ("merge", "prune")}
+    out = {
+        "r_flops": float(ltmp.r_flops(model).detach().mean()),
+        "kept_per_layer": (rec.kept.double().mean(0) + rec.num_prefix).tolist(),
+    }
+    params = {
+        kind: [p for n, p in model.named_parameters() if n.endswith(f"{kind}_threshold")] for kind in ("merge", "prune")
+    }
     flat = params["merge"] + params["prune"]
     for part, loss in (("ce", ce), ("budget", budget)):
         # the last block's thresholds decide nothing the cross-entropy sees: zero, as in the reference file
@@ -170,8 +180,14 @@ def row_contributions(case_index: int, mask_grad: str = "eps") -> dict:
         import ltmp
         from ltmp.train import threshold_training_mode
 
-        ltmp.patch(model, case["method"], tau=0.1, merge_threshold=case["merge_threshold"],
-                   prune_threshold=case["prune_threshold"], mask_grad=mask_grad)
+        ltmp.patch(
+            model,
+            case["method"],
+            tau=0.1,
+            merge_threshold=case["merge_threshold"],
+            prune_threshold=case["prune_threshold"],
+            mask_grad=mask_grad,
+        )
         threshold_training_mode(model)
         F.cross_entropy(model(images), labels).backward()
     finally:
@@ -180,17 +196,25 @@ def row_contributions(case_index: int, mask_grad: str = "eps") -> dict:
     sink = torch.cat([p[1] for p in parts])
     total = float(mag.sum())
     ranked = mag.sort(descending=True).values
-    top = {f: float(ranked[:max(1, int(f * len(ranked)))].sum()) / total for f in (0.001, 0.01)}
-    return {"entries": len(mag), "top_0.1%": top[0.001], "top_1%": top[0.01],
-            "sink_entries": float(sink.double().mean()), "sink_share": float(mag[sink].sum()) / total}
+    top = {f: float(ranked[: max(1, int(f * len(ranked)))].sum()) / total for f in (0.001, 0.01)}
+    return {
+        "entries": len(mag),
+        "top_0.1%": top[0.001],
+        "top_1%": top[0.01],
+        "sink_entries": float(sink.double().mean()),
+        "sink_share": float(mag[sink].sum()) / total,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write our gradients to this file")
     ap.add_argument("--mask-grad", default="clamp", help="form of eq. 6's gradient to removed keys' masks")
-    ap.add_argument("--merge-grad", default="average", help="merge thresholds learn through averages and masks "
-                                                            "(average) or masks only (mask)")
+    ap.add_argument(
+        "--merge-grad",
+        default="average",
+        help="merge thresholds learn through averages and masks (average) or masks only (mask)",
+    )
     ap.add_argument("--rows", action="store_true", help="where eq. 6's mask gradient comes from (per entry)")
     args = ap.parse_args(argv)
     if not available():
@@ -203,14 +227,18 @@ def main(argv: list[str] | None = None) -> int:
             if case["method"] == "ltp" and case["prune_threshold"] == 0:
                 continue  # nothing removed
             c = row_contributions(i, args.mask_grad)
-            print(f"| {case['method']} m{case['merge_threshold']} p{case['prune_threshold']} | {c['entries']:,} | "
-                  f"{c['top_0.1%']:.1%} | {c['top_1%']:.1%} | {c['sink_entries']:.2%} | {c['sink_share']:.1%} |")
+            print(
+                f"| {case['method']} m{case['merge_threshold']} p{case['prune_threshold']} | {c['entries']:,} | "
+                f"{c['top_0.1%']:.1%} | {c['top_1%']:.1%} | {c['sink_entries']:.2%} | {c['sink_share']:.1%} |"
+            )
         return 0
     ref, ours = all_gradients(mask_grad=args.mask_grad, merge_grad=args.merge_grad)
     totals = {"ce": [0, 0], "budget": [0, 0], "budget without LTMP's merge thresholds": [0, 0]}
     for case, mine in zip(ref["cases"], ours):
-        print(f"\n## {case['method']}, merge {case['merge_threshold']}, prune {case['prune_threshold']}: "
-              f"r_FLOPs ours {mine['r_flops']:.3f} / reference {case['r_flops']:.3f}")
+        print(
+            f"\n## {case['method']}, merge {case['merge_threshold']}, prune {case['prune_threshold']}: "
+            f"r_FLOPs ours {mine['r_flops']:.3f} / reference {case['r_flops']:.3f}"
+        )
         print("kept (incl. class token) ours: " + " ".join(f"{v:.1f}" for v in mine["kept_per_layer"]))
         print("kept (incl. class token) ref:  " + " ".join(f"{v:.1f}" for v in case["kept_per_layer"]))
         for part in ("ce", "budget"):
@@ -234,12 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         for kind in ("merge", "prune"):
             if case["r_flops"] > 0.999 or not case["ce"][kind]:
                 continue
-            print(f"  {case['method']} merge {case['merge_threshold']} prune {case['prune_threshold']}, {kind}: "
-                  f"ours {ce_over_budget(mine, kind):.3g}, reference {ce_over_budget(case, kind):.3g}")
+            print(
+                f"  {case['method']} merge {case['merge_threshold']} prune {case['prune_threshold']}, {kind}: "
+                f"ours {ce_over_budget(mine, kind):.3g}, reference {ce_over_budget(case, kind):.3g}"
+            )
     for who, cases in (("ours", ours), ("reference", ref["cases"])):
         against, n = opposed(cases)
-        print(f"{who}: in {against} of {n} (case, threshold) pairs with some reduction the cross-entropy part "
-              f"opposes the budget part and outweighs it")
+        print(
+            f"{who}: in {against} of {n} (case, threshold) pairs with some reduction the cross-entropy part "
+            f"opposes the budget part and outweighs it"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(ours, indent=1))
     return 0

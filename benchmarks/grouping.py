@@ -9,6 +9,7 @@ Prints time ratios to dense and the groups planned per block.
     python benchmarks/grouping.py --models deit-s --targets 0.5
     python benchmarks/grouping.py --device cuda --group-macs 1e6     # try grouping on a GPU (off by default there)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,14 +42,19 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--group-macs", type=float,
-                   help="fixed cost of a group on this device (ltmp.Execution.group_macs); needed on GPUs, where "
-                        "grouping is off by default")
+    p.add_argument(
+        "--group-macs",
+        type=float,
+        help="fixed cost of a group on this device (ltmp.Execution.group_macs); needed on GPUs, where "
+        "grouping is off by default",
+    )
     args = p.parse_args()
     device = torch.device(args.device)
     tuned = engine.TUNING.get(device.type, engine.TUNING["default"])
-    execution = ltmp.Execution(group_macs=args.group_macs if args.group_macs is not None else tuned["group_macs"],
-                               max_buckets=max(tuned["max_buckets"], 4))
+    execution = ltmp.Execution(
+        group_macs=args.group_macs if args.group_macs is not None else tuned["group_macs"],
+        max_buckets=max(tuned["max_buckets"], 4),
+    )
     print(f"device {device}, group cost {execution.group_macs} MACs", flush=True)
     default = execution.max_buckets
     for name in args.models.split(","):
@@ -68,14 +74,20 @@ def main() -> None:
             rec = ltmp.stats(red)
             g = float(ltmp.gmacs(spec, rec.kept.cpu()).mean())
             tome = at_gmacs(dense, "tome", g)
-            models = {"dense": dense, "ltmp, whole batch": Grouping(red, 1), f"ltmp, <= {default} groups":
-                      Grouping(red, default), "tome (mean GMACs)": tome}
+            models = {
+                "dense": dense,
+                "ltmp, whole batch": Grouping(red, 1),
+                f"ltmp, <= {default} groups": Grouping(red, default),
+                "tome (mean GMACs)": tome,
+            }
             t = compare_models(models, [x], warmup=1, reps=1, rounds=args.rounds)
             execution.max_buckets = default
             groups = [0 if p is None else len(p) for p in plans]
-            print(f"== {name} r_target {target}: GMACs ratio {g / ltmp.dense_gmacs(spec):.3f}, executed "
-                  f"{ltmp.gmacs_executed(spec, rec.padded) / ltmp.dense_gmacs(spec):.3f}; groups per block "
-                  f"{groups}")
+            print(
+                f"== {name} r_target {target}: GMACs ratio {g / ltmp.dense_gmacs(spec):.3f}, executed "
+                f"{ltmp.gmacs_executed(spec, rec.padded) / ltmp.dense_gmacs(spec):.3f}; groups per block "
+                f"{groups}"
+            )
             for k, v in t.items():
                 ratio = paired_ratio(t, k, "dense")["median"]
                 print(f"   {k:<20} {1000 * v['median']:8.2f} ms  time ratio {ratio:.3f}")

@@ -8,6 +8,7 @@ patches LTMP with thresholds calibrated to ``--target`` and times the three, pai
 
     python benchmarks/layout.py --model deit-s --batch-size 32 --target 0.5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,11 @@ def main() -> None:
         dense = load_model(args.model).eval()
         thresholds = calibrated(dense, args.target)[0].state_dict()
         x = load_images(dense, "test", args.batch_size)
-        variants = {"packed rows, attention in groups": {},
-                    "packed rows, attention on the padded batch": dict(max_buckets=1),
-                    "padded batch": dict(max_buckets=1, pack_above=1.0)}
+        variants = {
+            "packed rows, attention in groups": {},
+            "packed rows, attention on the padded batch": dict(max_buckets=1),
+            "padded batch": dict(max_buckets=1, pack_above=1.0),
+        }
         models = {}
         for name, knobs in variants.items():
             m = base.patch(copy.deepcopy(dense), "ltmp").eval()
@@ -48,8 +51,9 @@ def main() -> None:
             models[name] = m
         t = compare_models(models, x, warmup=2, reps=3, rounds=args.rounds)
     first = next(iter(variants))
-    print(f"{args.model}, LTMP at r_FLOPs {args.target}, batch {args.batch_size}, commit {args.base}; time / "
-          f"'{first}':")
+    print(
+        f"{args.model}, LTMP at r_FLOPs {args.target}, batch {args.batch_size}, commit {args.base}; time / '{first}':"
+    )
     for name in list(variants)[1:]:
         r = paired_ratio(t, name, first)
         print(f"  {name}: {r['median']:.3f} (quartiles {r['p25']:.3f}-{r['p75']:.3f})")

@@ -11,6 +11,7 @@
 
     python benchmarks/openvino_check.py --time deit-s
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,14 @@ def wrong_counts(heads: int, dynamic: bool, snippets: bool, folder: str, counts=
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if dynamic:
-            torch.onnx.export(block, (torch.randn(1, 7, heads * 32),), path, dynamo=True, verbose=False,
-                              dynamic_shapes=({1: torch.export.Dim("tokens", min=1)},))
+            torch.onnx.export(
+                block,
+                (torch.randn(1, 7, heads * 32),),
+                path,
+                dynamo=True,
+                verbose=False,
+                dynamic_shapes=({1: torch.export.Dim("tokens", min=1)},),
+            )
             runner = OpenVino(path, 1, snippets)
         for n in counts:
             x = torch.randn(1, n, heads * 32)
@@ -81,23 +88,31 @@ def time_both(name: str, images: int) -> None:
     dense, xs, mine, tome = deployed_models(name, images)
     singles = [x[None] for x in xs]
     with tempfile.TemporaryDirectory() as folder:
-        files = {label: deploy(m, singles[0], "openvino", folder, label)
-                 for label, m in (("dense", dense), ("ltmp", mine), ("tome", tome))}
+        files = {
+            label: deploy(m, singles[0], "openvino", folder, label)
+            for label, m in (("dense", dense), ("ltmp", mine), ("tome", tome))
+        }
         for threads in (1, 2):
-            models = {f"{label} {s}": OpenVino(p, threads, s == "on")
-                      for label, p in files.items() for s in ("on", "off")}
+            models = {
+                f"{label} {s}": OpenVino(p, threads, s == "on") for label, p in files.items() for s in ("on", "off")
+            }
             with torch.no_grad():
                 t = compare_models(models, singles, warmup=2, reps=2, rounds=3)
             with torch.no_grad():
                 eager = {"dense": dense, "ltmp": mine, "tome": tome}
-                gap = {k: max(float((m(x) - eager[k.split()[0]](x)).abs().max()) for x in singles)
-                       for k, m in models.items()}
+                gap = {
+                    k: max(float((m(x) - eager[k.split()[0]](x)).abs().max()) for x in singles)
+                    for k, m in models.items()
+                }
             for label in files:
                 r = paired_ratio(t, f"{label} off", f"{label} on")
-                print(f"{name} {label} {threads} thr: snippets on {1000 * t[label + ' on']['median'] / images:.2f} ms, "
-                      f"off {1000 * t[label + ' off']['median'] / images:.2f} ms per image; off / on {r['median']:.3f} "
-                      f"(IQR {r['p25']:.3f}-{r['p75']:.3f}); largest |logit difference| from eager: on "
-                      f"{gap[label + ' on']:.1e}, off {gap[label + ' off']:.1e}", flush=True)
+                print(
+                    f"{name} {label} {threads} thr: snippets on {1000 * t[label + ' on']['median'] / images:.2f} ms, "
+                    f"off {1000 * t[label + ' off']['median'] / images:.2f} ms per image; off / on {r['median']:.3f} "
+                    f"(IQR {r['p25']:.3f}-{r['p75']:.3f}); largest |logit difference| from eager: on "
+                    f"{gap[label + ' on']:.1e}, off {gap[label + ' off']:.1e}",
+                    flush=True,
+                )
 
 
 def main() -> None:
@@ -112,8 +127,11 @@ def main() -> None:
         for heads in (3, 4, 6):
             for dynamic in (False, True):
                 found = {s: wrong_counts(heads, dynamic, s == "on", folder) for s in ("on", "off")}
-                print(f"  {heads} heads, {'dynamic' if dynamic else 'static'} token count: snippets on {found['on']}, "
-                      f"off {found['off']}", flush=True)
+                print(
+                    f"  {heads} heads, {'dynamic' if dynamic else 'static'} token count: snippets on {found['on']}, "
+                    f"off {found['off']}",
+                    flush=True,
+                )
     if args.time:
         time_both(args.time, args.images)
 

@@ -7,6 +7,7 @@
 
     python benchmarks/overhead.py
 """
+
 from __future__ import annotations
 
 import random
@@ -66,15 +67,19 @@ def main() -> None:
     xs = {m: torch.randn(1, m, 384) for m in range(90, 200)}
     t98 = statistics.median(per_call_us(lambda: lin(xs[98]), 200) for _ in range(5))
     t197 = statistics.median(per_call_us(lambda: lin(xs[197]), 200) for _ in range(5))
-    print(f"2. linear 384->1536: 98 tokens {t98:.0f} us, 197 tokens {t197:.0f} us, ratio {t98 / t197:.3f} "
-          f"(token ratio {98 / 197:.3f})")
+    print(
+        f"2. linear 384->1536: 98 tokens {t98:.0f} us, 197 tokens {t197:.0f} us, ratio {t98 / t197:.3f} "
+        f"(token ratio {98 / 197:.3f})"
+    )
     rng = random.Random(0)
     varied = [rng.randint(90, 190) for _ in range(100)]
     mean_m = round(statistics.mean(varied))
     fixed_us = statistics.median(per_call_us(lambda: [lin(xs[mean_m]) for _ in range(100)], 5) for _ in range(5))
     varied_us = statistics.median(per_call_us(lambda: [lin(xs[m]) for m in varied], 5) for _ in range(5))
-    print(f"   100 calls at a fixed {mean_m} tokens {fixed_us / 1e3:.1f} ms, at varying counts (mean {mean_m}) "
-          f"{varied_us / 1e3:.1f} ms, ratio {varied_us / fixed_us:.3f}")
+    print(
+        f"   100 calls at a fixed {mean_m} tokens {fixed_us / 1e3:.1f} ms, at varying counts (mean {mean_m}) "
+        f"{varied_us / 1e3:.1f} ms, ratio {varied_us / fixed_us:.3f}"
+    )
 
     dense = load_model("deit-s")
     spec = ltmp.vit_spec(dense)
@@ -84,9 +89,11 @@ def main() -> None:
     tome = at_gmacs(dense, "tome", g)
     for n in thread_counts():
         t = compare_models({"dense": dense, "ltmp": red, "tome": tome}, singles, warmup=1, reps=1, rounds=6)
-        print(f"3. {n} thread(s), batch 1, GMACs ratio {g / ltmp.dense_gmacs(spec):.3f}: time ratio LTMP "
-              f"{paired_ratio(t, 'ltmp', 'dense')['median']:.3f}, ToMe {paired_ratio(t, 'tome', 'dense')['median']:.3f}"
-              f" (dense {1000 * t['dense']['median'] / len(singles):.1f} ms per image)")
+        print(
+            f"3. {n} thread(s), batch 1, GMACs ratio {g / ltmp.dense_gmacs(spec):.3f}: time ratio LTMP "
+            f"{paired_ratio(t, 'ltmp', 'dense')['median']:.3f}, ToMe {paired_ratio(t, 'tome', 'dense')['median']:.3f}"
+            f" (dense {1000 * t['dense']['median'] / len(singles):.1f} ms per image)"
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ timm patch with the same per-layer r as ``--method tome``.
 On CUDA it also prints the wall time per forward next to the summed kernel time: a forward whose wall time is far
 above its kernel time is bound by launching operators, not by the GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,16 +55,30 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--summary", action="store_true", help="no operator tables")
     p.add_argument("--per-block", action="store_true", help="also the aten calls of each block and outside them")
-    p.add_argument("--by-line", type=int, default=0, metavar="N",
-                   help="also the N source lines whose torch calls take the most time (CPU)")
-    p.add_argument("--lse", choices=["on", "off"], help="importance from a fused kernel's log-sum-exp "
-                   "(Execution.importance_from_lse); default: the device's (ltmp.engine.TUNING: on for CUDA)")
+    p.add_argument(
+        "--by-line",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also the N source lines whose torch calls take the most time (CPU)",
+    )
+    p.add_argument(
+        "--lse",
+        choices=["on", "off"],
+        help="importance from a fused kernel's log-sum-exp "
+        "(Execution.importance_from_lse); default: the device's (ltmp.engine.TUNING: on for CUDA)",
+    )
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--max-buckets", type=int, help="Execution.max_buckets (1: attention never in groups)")
-    p.add_argument("--tome-ref", help="a checkout of facebookresearch/ToMe: also profile its timm patch "
-                                      "(with --method tome)")
-    p.add_argument("--compile", action="store_true", help="both models under ltmp.runtime.compile_model (the first "
-                                                          "forwards compile; the counts are of compiled forwards)")
+    p.add_argument(
+        "--tome-ref", help="a checkout of facebookresearch/ToMe: also profile its timm patch (with --method tome)"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="both models under ltmp.runtime.compile_model (the first "
+        "forwards compile; the counts are of compiled forwards)",
+    )
     args = p.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -77,9 +92,12 @@ def main() -> None:
         red.ltmp_config.execution.importance_from_lse = args.lse == "on"
     if args.max_buckets is not None:
         red.ltmp_config.execution.max_buckets = args.max_buckets
-    batches = [x[i * args.batch_size:(i + 1) * args.batch_size] for i in range(args.forwards)]
-    print(f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}" + ("" if learned else " (LTMP's; matched GMACs)")
-          + ("" if cuda else f"; {allocator()}"))
+    batches = [x[i * args.batch_size : (i + 1) * args.batch_size] for i in range(args.forwards)]
+    print(
+        f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}"
+        + ("" if learned else " (LTMP's; matched GMACs)")
+        + ("" if cuda else f"; {allocator()}")
+    )
     models = [("dense", dense), (args.method, red)]
     if args.by_line and args.compile:
         p.error("--by-line times eager calls; run it without --compile")
@@ -114,34 +132,46 @@ def main() -> None:
                     m(b)
         events = prof.key_averages()
         calls = sum(e.count for e in events if e.key.startswith("aten::"))  # not kernels, not CUDA runtime calls
-        outer = sum(1 for e in prof.events() if e.name.startswith("aten::") and not (
-            e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))  # made from Python, not nested
+        outer = sum(
+            1
+            for e in prof.events()
+            if e.name.startswith("aten::") and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))
+        )  # made from Python, not nested
         total = sum(e.self_cpu_time_total for e in events)
         kernels = ""
         if cuda:
             # kernel events only (the ops that launch them repeat their time), as the table's "Self CUDA" total
-            dev_us = sum(e.self_device_time_total for e in events
-                         if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+            dev_us = sum(
+                e.self_device_time_total
+                for e in events
+                if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+            )
             kernels = f", {dev_us / 1e3 / args.forwards:.2f} ms of GPU kernels"
-        print(f"\n== {name}: {1000 * wall:.2f} ms wall per forward (unprofiled){kernels}, "
-              f"{total / 1e3 / args.forwards:.2f} ms self CPU, "
-              f"{calls / args.forwards:.0f} aten operator calls ({outer / args.forwards:.0f} not nested in another) "
-              f"and {syncs.count / args.forwards:g} host "
-              f"synchronisations per forward" + (f" ({syncs.calls})" if syncs.calls else ""))
+        print(
+            f"\n== {name}: {1000 * wall:.2f} ms wall per forward (unprofiled){kernels}, "
+            f"{total / 1e3 / args.forwards:.2f} ms self CPU, "
+            f"{calls / args.forwards:.0f} aten operator calls ({outer / args.forwards:.0f} not nested in another) "
+            f"and {syncs.count / args.forwards:g} host "
+            f"synchronisations per forward" + (f" ({syncs.calls})" if syncs.calls else "")
+        )
         if args.per_block:
             per_block, outside = block_calls(prof, args.forwards)
             print(f"   aten calls per block: {per_block}; outside the blocks: {outside:g}")
         if args.by_line:
-            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp), \
-                    TimedLines() as lines:
+            with (
+                torch.no_grad(),
+                torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp),
+                TimedLines() as lines,
+            ):
                 for b in batches:
                     m(b)
             print(f"   per source line (ms per forward, calls; {lines.total() / args.forwards:.1f} ms in torch calls):")
             for where, (sec, n) in lines.top(args.by_line):
                 print(f"   {1e3 * sec / args.forwards:9.2f} {n / args.forwards:6g}  {where}")
         if not args.summary:
-            print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
-                               row_limit=args.rows))
+            print(
+                events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=args.rows)
+            )
 
 
 BLOCK = "profile_step.block"
@@ -160,6 +190,7 @@ def marked_blocks(model, on: bool):
         def run(*args, **kwargs):
             with record_function(BLOCK):
                 return fn(*args, **kwargs)
+
         return run
 
     patched = hasattr(model, "ltmp_config")

@@ -274,8 +274,10 @@ def summarize(args) -> dict:
         base = ["eval", "--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA),
                 "--val-split", "test", "--method", METHODS[method]]  # fmt: skip
         rows = {}
-        for kind, flags in (("even", ["--match-gmacs", str(theirs["gmacs"])]), ("own", ["--follow",
-                                                                                       str(folder / "schedule.json")])):
+        for kind, flags in (
+            ("even", ["--match-gmacs", str(theirs["gmacs"])]),
+            ("own", ["--follow", str(folder / "schedule.json")]),
+        ):
             path = folder / f"{METHODS[method]}-{kind}.json"
             if not path.exists():
                 run([*base, *flags, "--json", str(path)])

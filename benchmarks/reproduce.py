@@ -26,6 +26,7 @@ thresholds from no reduction, light augmentation, 2% held out, no settle step); 
 two recipes of ``PREREG_RECIPES``. Both are spelled out as flags, so a change of ``ltmp train``'s defaults does
 not change what these runs were.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,7 +71,8 @@ class Jobs:
         self.failed: list[str] = []
         self.raw: dict[str, object] = {}  # what the document uses, by key ("eval/NAME", "log/NAME", ...)
         self.machine = (saved or {}).get("machine") or (
-            f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}")
+            f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        )
 
     def _late(self, name: str) -> bool:
         """Past the deadline, or rendering only: the job stays pending."""
@@ -111,9 +113,25 @@ class Jobs:
 
     def _train(self, name: str, folder: Path, target: float, *extra: str) -> bool:
         """``ltmp train`` into ``folder``, resuming what an earlier call left there."""
-        return self._do(name, ["train", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
-                               "--r-target", str(target), "--output", str(folder), *extra]
-                        + (["--resume"] if folder.exists() else []))
+        return self._do(
+            name,
+            [
+                "train",
+                "--model",
+                MODEL,
+                "--pretrained",
+                "--data-dir",
+                DATA,
+                "--val-split",
+                "test",
+                "--r-target",
+                str(target),
+                "--output",
+                str(folder),
+                *extra,
+            ]
+            + (["--resume"] if folder.exists() else []),
+        )
 
     def evaluate(self, name: str, *extra: str) -> dict | None:
         out = self.root / "test" / f"{name}.json"
@@ -123,25 +141,55 @@ class Jobs:
             atomic_write(out, lambda tmp: Path(tmp).write_text(json.dumps(dict(kept, correct=unpack(kept["correct"])))))
         if self.saved is None and not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
-            if not self._do(f"eval {name}", ["eval", "--model", MODEL, "--pretrained", "--data-dir", DATA,
-                                               "--val-split", "test", "--json", str(out), *extra]):
+            if not self._do(
+                f"eval {name}",
+                [
+                    "eval",
+                    "--model",
+                    MODEL,
+                    "--pretrained",
+                    "--data-dir",
+                    DATA,
+                    "--val-split",
+                    "test",
+                    "--json",
+                    str(out),
+                    *extra,
+                ],
+            ):
                 return None
         r = self._keep(f"eval/{name}", lambda: compact(json.loads(out.read_text())))
         return None if r is None else dict(r, correct=unpack(r["correct"]), name=name)
 
-    def trained(self, method: str, target: float, importance: str = "mean", seed: int = 0,
-                steps: int = STEPS) -> dict | None:
+    def trained(
+        self, method: str, target: float, importance: str = "mean", seed: int = 0, steps: int = STEPS
+    ) -> dict | None:
         """Train thresholds with the recipe of claims 1-7 (``ltmp train``) and evaluate them on the test set."""
-        return self.run(f"{method}-{importance}-r{target}-s{seed}-n{steps}", target, "--method", method,
-                        "--importance", importance, "--seed", str(seed), "--steps", str(steps), *RECIPE)
+        return self.run(
+            f"{method}-{importance}-r{target}-s{seed}-n{steps}",
+            target,
+            "--method",
+            method,
+            "--importance",
+            importance,
+            "--seed",
+            str(seed),
+            "--steps",
+            str(steps),
+            *RECIPE,
+        )
 
     def run(self, name: str, target: float, *flags: str) -> dict | None:
         """``ltmp train --no-eval`` with ``flags`` into ``train/NAME``, then ``ltmp eval`` on the test set."""
         folder = self.root / "train" / name
-        if self.saved is None and not (self.root / "test" / f"{name}.json").exists() and f"eval/{name}" not in \
-                self.before:
+        if (
+            self.saved is None
+            and not (self.root / "test" / f"{name}.json").exists()
+            and f"eval/{name}" not in self.before
+        ):
             if not (folder / "thresholds.safetensors").exists() and not self._train(
-                    f"train {name}", folder, target, "--no-eval", *flags):
+                f"train {name}", folder, target, "--no-eval", *flags
+            ):
                 self.pending.add(f"eval {name}")
                 return None
         result = self.evaluate(name, "--thresholds", str(folder / "thresholds.safetensors"))
@@ -156,8 +204,13 @@ class Jobs:
         if other is None:
             self.pending.add(f"{method} followed")
             return None
-        return self.evaluate(f"{method}-follow-{other['name']}", "--method", method, "--follow",
-                             str(self.root / "test" / f"{other['name']}.json"))
+        return self.evaluate(
+            f"{method}-follow-{other['name']}",
+            "--method",
+            method,
+            "--follow",
+            str(self.root / "test" / f"{other['name']}.json"),
+        )
 
     def shared_like(self, other: dict | None) -> dict | None:
         """One threshold shared by every block (``ltmp calibrate --mode shared --match``), bisected on 1,024
@@ -169,9 +222,25 @@ class Jobs:
         path = self.root / "calib" / f"shared-like-{other['name']}.safetensors"
         if self.saved is None and not path.exists() and f"eval/shared-like-{other['name']}" not in self.before:
             path.parent.mkdir(parents=True, exist_ok=True)
-            if not self._do(f"calibrate like {other['name']}", [
-                    "calibrate", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--method", method, "--match",
-                    str(self.root / "test" / f"{other['name']}.json"), "--images", "1024", "--output", str(path)]):
+            if not self._do(
+                f"calibrate like {other['name']}",
+                [
+                    "calibrate",
+                    "--model",
+                    MODEL,
+                    "--pretrained",
+                    "--data-dir",
+                    DATA,
+                    "--method",
+                    method,
+                    "--match",
+                    str(self.root / "test" / f"{other['name']}.json"),
+                    "--images",
+                    "1024",
+                    "--output",
+                    str(path),
+                ],
+            ):
                 return None
         return self.evaluate(f"shared-like-{other['name']}", "--thresholds", str(path))
 
@@ -180,8 +249,13 @@ class Jobs:
         if other is None:
             self.pending.add(f"{method} matched")
             return None
-        return self.evaluate(f"{method}-match-{other['name']}", "--method", method, "--match",
-                             str(self.root / "test" / f"{other['name']}.json"))
+        return self.evaluate(
+            f"{method}-match-{other['name']}",
+            "--method",
+            method,
+            "--match",
+            str(self.root / "test" / f"{other['name']}.json"),
+        )
 
     def calibrated(self, target: float, mode: str = "shared") -> dict | None:
         """Training-free thresholds (``ltmp calibrate --mode MODE``), claim 7."""
@@ -189,9 +263,23 @@ class Jobs:
         name = f"calibrated-r{target}" if mode == "shared" else f"calibrated-{mode}-r{target}"
         if self.saved is None and not path.exists() and f"eval/{name}" not in self.before:  # restored, not redone
             path.parent.mkdir(parents=True, exist_ok=True)
-            if not self._do(f"calibrate {mode} r{target}", [
-                    "calibrate", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--r-target", str(target),
-                    "--mode", mode, "--output", str(path)]):
+            if not self._do(
+                f"calibrate {mode} r{target}",
+                [
+                    "calibrate",
+                    "--model",
+                    MODEL,
+                    "--pretrained",
+                    "--data-dir",
+                    DATA,
+                    "--r-target",
+                    str(target),
+                    "--mode",
+                    mode,
+                    "--output",
+                    str(path),
+                ],
+            ):
                 return None
         return self.evaluate(name, "--thresholds", str(path))
 
@@ -201,11 +289,32 @@ class Jobs:
             self.pending.add("analyze")
             return None
         out = self.root / "analyze" / result["name"]
-        if self.saved is None and not (out / "layers.json").exists() and f"analyze/{result['name']}" not in \
-                self.before and not self._do(f"analyze {result['name']}", [
-                "analyze", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
-                "--thresholds", str(Path(result["folder"]) / "thresholds.safetensors"), "--max-images", "10000",
-                "--kendall-k", "2", "--output", str(out)]):
+        if (
+            self.saved is None
+            and not (out / "layers.json").exists()
+            and f"analyze/{result['name']}" not in self.before
+            and not self._do(
+                f"analyze {result['name']}",
+                [
+                    "analyze",
+                    "--model",
+                    MODEL,
+                    "--pretrained",
+                    "--data-dir",
+                    DATA,
+                    "--val-split",
+                    "test",
+                    "--thresholds",
+                    str(Path(result["folder"]) / "thresholds.safetensors"),
+                    "--max-images",
+                    "10000",
+                    "--kendall-k",
+                    "2",
+                    "--output",
+                    str(out),
+                ],
+            )
+        ):
             return None
         layers = self._keep(f"analyze/{result['name']}", lambda: json.loads((out / "layers.json").read_text()))
         return None if layers is None else {"layers": layers, "png": out / "layers.png"}
@@ -284,8 +393,15 @@ def gaps(tests: Tests, key: tuple, a: list[tuple[dict, dict]], b: list[tuple[dic
     each averaged over its seeds (pairs of run and baseline) within each image."""
     if not a or not b or any(x is None for p in a + b for x in p):
         return None
-    return tests.run(key, [(1.0, [r["correct"] for r, _ in a]), (-1.0, [s["correct"] for _, s in a]),
-                           (-1.0, [r["correct"] for r, _ in b]), (1.0, [s["correct"] for _, s in b])])
+    return tests.run(
+        key,
+        [
+            (1.0, [r["correct"] for r, _ in a]),
+            (-1.0, [s["correct"] for _, s in a]),
+            (-1.0, [r["correct"] for r, _ in b]),
+            (1.0, [s["correct"] for _, s in b]),
+        ],
+    )
 
 
 def seeds(tests: Tests, key: tuple, pairs: list[tuple[dict, dict]]) -> dict:
@@ -316,8 +432,10 @@ def judge(t: dict | None, paper: float) -> str:
 def early_late(r: dict) -> tuple[list[float], list[float]]:
     """Tokens (merged, pruned) per image in the first and in the second half of the blocks."""
     half = len(r["per_layer"]) // 2
-    return ([sum(x[k] for x in r["per_layer"][:half]) for k in ("merged", "pruned")],
-            [sum(x[k] for x in r["per_layer"][half:]) for k in ("merged", "pruned")])
+    return (
+        [sum(x[k] for x in r["per_layer"][:half]) for k in ("merged", "pruned")],
+        [sum(x[k] for x in r["per_layer"][half:]) for k in ("merged", "pruned")],
+    )
 
 
 def pruned_share(r: dict) -> float:
@@ -374,8 +492,9 @@ def prereg_runs(jobs: Jobs, method: str, t: float, seed: int) -> dict:
     per-layer counts) and one shared threshold at its r_FLOPs."""
     runs: dict[str, dict | None] = {}
     for recipe, flags in PREREG_RECIPES.items():
-        lt = jobs.run(f"{method}-{recipe}-r{t}-s{seed}-epoch", t, "--method", method, "--seed", str(seed),
-                      *PREREG_COMMON, *flags)
+        lt = jobs.run(
+            f"{method}-{recipe}-r{t}-s{seed}-epoch", t, "--method", method, "--seed", str(seed), *PREREG_COMMON, *flags
+        )
         runs[recipe] = lt
         runs[f"{recipe}/even"] = jobs.matched(FIXED[method], lt)
         if recipe == DEFAULT_RECIPE:
@@ -396,6 +515,7 @@ def matched_baselines(jobs: Jobs, c1, c2, c3, long_run) -> dict[str, dict | None
 
 
 # ------------------------------------------------------------------------------------------------------------ main
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -428,8 +548,15 @@ def main() -> None:
     # claim 2: learned thresholds against top-k at matching GMACs, for pruning, merging and both
     c2 = {(m, t): (lt := jobs.trained(m, t), jobs.matched(TOPK[m], lt)) for t in ABLATION_TARGETS for m in TOPK}
     # claim 3: class attention against mean column attention (LTP, as in Table 4); LTPM against LTMP
-    c3 = {t: {"ltp-cls": jobs.trained("ltp", t, "cls"), "ltp-mean": c2[("ltp", t)][0],
-              "ltpm": jobs.trained("ltpm", t), "ltmp": c2[("ltmp", t)][0]} for t in ABLATION_TARGETS}
+    c3 = {
+        t: {
+            "ltp-cls": jobs.trained("ltp", t, "cls"),
+            "ltp-mean": c2[("ltp", t)][0],
+            "ltpm": jobs.trained("ltpm", t),
+            "ltmp": c2[("ltmp", t)][0],
+        }
+        for t in ABLATION_TARGETS
+    }
     # claim 4: per-layer distributions (Figures 5-6) at r 0.5
     c4 = {m: jobs.analyze(c2[(m, 0.5)][0]) for m in ("ltmp", "ltm", "ltp")}
     # claim 6: one epoch of the recipe, evaluated along the way
@@ -457,11 +584,15 @@ def main() -> None:
 
     write_doc(Path(args.doc), img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run, c8, extra, reference)
     if saved is None:
-        raw = {"source": "benchmarks/reproduce.py", "recipe": RECIPE_NAME, "machine": jobs.machine,
-               "pending": sorted(jobs.pending), "failed": jobs.failed, "results": dict(sorted(jobs.raw.items()))}
+        raw = {
+            "source": "benchmarks/reproduce.py",
+            "recipe": RECIPE_NAME,
+            "machine": jobs.machine,
+            "pending": sorted(jobs.pending),
+            "failed": jobs.failed,
+            "results": dict(sorted(jobs.raw.items())),
+        }
         atomic_write(RAW, lambda tmp: Path(tmp).write_text(json.dumps(raw, indent=0) + "\n"))
-
-
 
 
 def tally(S: list[tuple[str, str, str, str, str]]) -> str:
@@ -469,8 +600,10 @@ def tally(S: list[tuple[str, str, str, str, str]]) -> str:
     judged = [v for _, _, _, v, _ in S if v not in ("-", "pending")]
     agree = sum(v.startswith("agrees") for v in judged)
     against = sum(v.startswith("disagrees") for v in judged)
-    return (f"Summary lines with a verdict on the paper: {agree} of {len(judged)} agree, {against} disagree, "
-            f"{len(judged) - agree - against} are neither (level here, partly, or larger here).")
+    return (
+        f"Summary lines with a verdict on the paper: {agree} of {len(judged)} agree, {against} disagree, "
+        f"{len(judged) - agree - against} are neither (level here, partly, or larger here)."
+    )
 
 
 #: The commands behind each claim (``RECIPE`` and ``PREREG_RECIPES`` are spelled out under "Recipes").
@@ -483,7 +616,7 @@ COMMANDS = {
     "6": "`ltmp train --steps 382 ...`; `python benchmarks/convergence.py RUN`",
     "7": "`ltmp calibrate --mode shared --match eval.json --images 1024`",
     "8": "`ltmp train --method ltmp/ltp --seed S PREREG`; `ltmp eval --method tome/topk-prune --match/--follow "
-         "eval.json`; `ltmp calibrate --match eval.json`",
+    "eval.json`; `ltmp calibrate --match eval.json`",
     "A": "`python benchmarks/reference_pipeline.py --reference PATH --python PY`",
 }
 
@@ -503,15 +636,20 @@ def label(r: dict, target: float) -> str:
     return f" (reached r_FLOPs {r['r_flops']:.3f})" if r is not None and abs(r["r_flops"] - target) > 0.02 else ""
 
 
-def render(img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run, c8, extra, reference, tests: Tests,
-           plots: bool = True) -> str:
+def render(
+    img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run, c8, extra, reference, tests: Tests, plots: bool = True
+) -> str:
     from ltmp.viz import plot_pareto
 
     split = [(f"{m.upper()} r_target 0.5", c2[(m, 0.5)][0]) for m in ("ltmp", "ltm", "ltp")]
     split = [(lbl, r) for lbl, r in split if r is not None]
     if plots:
-        points = [dict(r, method=m) for t in TARGETS for m, r in zip(("ltmp", "tome", "ltmp calibrated"), c1[t])
-                  if r is not None]
+        points = [
+            dict(r, method=m)
+            for t in TARGETS
+            for m, r in zip(("ltmp", "tome", "ltmp calibrated"), c1[t])
+            if r is not None
+        ]
         points += [dict(dense, method="dense")] if dense else []
         if points:
             plot_pareto(points, img / "results-pareto.png", title="CIFAR-10 ViT: top-1 against GMACs (10,000 images)")
@@ -521,12 +659,20 @@ def render(img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run, c8, extra, re
             if a is not None and a["png"].exists():  # not when rendering from RAW: the committed picture stays
                 shutil.copyfile(a["png"], img / f"results-layers-{m}.png")
 
-    pending, failed = (jobs.pending, jobs.failed) if jobs.saved is None else (
-        set(jobs.saved["pending"]) | jobs.pending, jobs.saved["failed"])  # rendering: also what RAW lacks
-    status = "All jobs done." if not pending else (
-        f"{len(pending)} jobs (and what depends on them) are still pending"
-        + (f", {len(failed)} of them failed ({', '.join(failed)})" if failed else "")
-        + ": run the script again to fill them in.")
+    pending, failed = (
+        (jobs.pending, jobs.failed)
+        if jobs.saved is None
+        else (set(jobs.saved["pending"]) | jobs.pending, jobs.saved["failed"])
+    )  # rendering: also what RAW lacks
+    status = (
+        "All jobs done."
+        if not pending
+        else (
+            f"{len(pending)} jobs (and what depends on them) are still pending"
+            + (f", {len(failed)} of them failed ({', '.join(failed)})" if failed else "")
+            + ": run the script again to fill them in."
+        )
+    )
     L = [
         "# The paper's claims at small scale",
         "",
@@ -562,10 +708,16 @@ def render(img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run, c8, extra, re
     ]
     S: list[tuple[str, str, str, str, str]] = []  # the summary: claim, paper, ours, verdict, command
     # claim 1
-    L += ["", "## 1. Accuracy against GMACs (Table 2, Figure 4)", "",
-          "ToMe uses the per-layer r schedule whose GMACs are closest to LTMP's on the same images.", "",
-          "| r_target | LTMP r_FLOPs | LTMP GMACs | LTMP top-1 | ToMe GMACs | ToMe top-1 | LTMP - ToMe (95% CI, Holm "
-          "p) | tokens pruned / removed |", "|---|---|---|---|---|---|---|---|"]
+    L += [
+        "",
+        "## 1. Accuracy against GMACs (Table 2, Figure 4)",
+        "",
+        "ToMe uses the per-layer r schedule whose GMACs are closest to LTMP's on the same images.",
+        "",
+        "| r_target | LTMP r_FLOPs | LTMP GMACs | LTMP top-1 | ToMe GMACs | ToMe top-1 | LTMP - ToMe (95% CI, Holm "
+        "p) | tokens pruned / removed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     t1 = {t: pair(tests, ("1", t), c1[t][0], c1[t][1]) for t in TARGETS}
     for t in TARGETS:
         lt, tm, _ = c1[t]
@@ -576,113 +728,205 @@ def render(img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run, c8, extra, re
     if done:
         better = sum(t1[t]["diff"] > 0 and t1[t]["holm"] < 0.05 for t in done)
         worse = sum(t1[t]["diff"] < 0 and t1[t]["holm"] < 0.05 for t in done)
-        L.append(f"Of {len(done)} targets, LTMP is above ToMe at {sum(t1[t]['diff'] > 0 for t in done)} and below "
-                 f"at {sum(t1[t]['diff'] < 0 for t in done)}; significantly better at {better}, worse at {worse}, "
-                 f"level at {len(done) - better - worse}. Paper: \"LTMP consistently outperforms ToMe across model "
-                 "sizes\" (Figure 4, DeiT-T/S/B, no numbers given); on DeiT-S +0.3 points at 3.0G and +0.5 at 2.3G "
-                 "(Tables 3 and 5); no significance test.")
+        L.append(
+            f"Of {len(done)} targets, LTMP is above ToMe at {sum(t1[t]['diff'] > 0 for t in done)} and below "
+            f"at {sum(t1[t]['diff'] < 0 for t in done)}; significantly better at {better}, worse at {worse}, "
+            f'level at {len(done) - better - worse}. Paper: "LTMP consistently outperforms ToMe across model '
+            'sizes" (Figure 4, DeiT-T/S/B, no numbers given); on DeiT-S +0.3 points at 3.0G and +0.5 at 2.3G '
+            "(Tables 3 and 5); no significance test."
+        )
         lo, hi = min(t1[t]["diff"] for t in done), max(t1[t]["diff"] for t in done)
-        S.append(("1. LTMP beats ToMe at matched GMACs, at every size", "+0.3 / +0.5 (DeiT-S 3.0G / 2.3G)",
-                  f"{lo:+.2f} to {hi:+.2f} over r_target {TARGETS[0]} to {done[-1]}",
-                  "agrees" if better == len(done) else
-                  f"{'disagrees' if worse else 'level here'}: better at {better}, worse at {worse} of {len(done)}",
-                  COMMANDS["1"]))
+        S.append(
+            (
+                "1. LTMP beats ToMe at matched GMACs, at every size",
+                "+0.3 / +0.5 (DeiT-S 3.0G / 2.3G)",
+                f"{lo:+.2f} to {hi:+.2f} over r_target {TARGETS[0]} to {done[-1]}",
+                "agrees"
+                if better == len(done)
+                else f"{'disagrees' if worse else 'level here'}: better at {better}, worse at {worse} of {len(done)}",
+                COMMANDS["1"],
+            )
+        )
     # claim 2
-    L += ["", "## 2. Learned thresholds against top-k (Table 5)", "",
-          "Top-k: a fixed number of tokens per layer (top-k pruning; ToMe for merging; k merged + k pruned for "
-          "both), the per-layer schedule closest in GMACs to the learned run.", "",
-          "| part | r_target | learned r_FLOPs | learned GMACs | learned top-1 | top-k GMACs | top-k top-1 | learned - "
-          "top-k (95% CI, Holm p) | paper | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
-    paper2 = {("ltp", 0.65): 1.3, ("ltp", 0.5): 1.7, ("ltm", 0.65): 0.2, ("ltm", 0.5): 0.1, ("ltmp", 0.65): 0.6,
-              ("ltmp", 0.5): 1.0}
-    for m, part in (("ltp", "pruning: LTP vs top-k"), ("ltm", "merging: LTM vs ToMe"),
-                    ("ltmp", "both: LTMP vs top-k")):
+    L += [
+        "",
+        "## 2. Learned thresholds against top-k (Table 5)",
+        "",
+        "Top-k: a fixed number of tokens per layer (top-k pruning; ToMe for merging; k merged + k pruned for "
+        "both), the per-layer schedule closest in GMACs to the learned run.",
+        "",
+        "| part | r_target | learned r_FLOPs | learned GMACs | learned top-1 | top-k GMACs | top-k top-1 | learned - "
+        "top-k (95% CI, Holm p) | paper | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    paper2 = {
+        ("ltp", 0.65): 1.3,
+        ("ltp", 0.5): 1.7,
+        ("ltm", 0.65): 0.2,
+        ("ltm", 0.5): 0.1,
+        ("ltmp", 0.65): 0.6,
+        ("ltmp", 0.5): 1.0,
+    }
+    for m, part in (("ltp", "pruning: LTP vs top-k"), ("ltm", "merging: LTM vs ToMe"), ("ltmp", "both: LTMP vs top-k")):
         for t in ABLATION_TARGETS:
             lt, tk = c2[(m, t)]
             res = pair(tests, ("2", m, t), lt, tk)
             v = judge(res, paper2[(m, t)]) if res is None or gmacs_off(lt, tk) <= 0.01 else "GMACs apart: no verdict"
-            L.append(f"| {part} | {t} | {rf(lt)} | {gm(lt)} | {top1(lt)} | {gm(tk)} | {top1(tk)} | {cell(res)} | "
-                     f"{paper2[(m, t)]:+.1f} | {v} |")
-            S.append((f"2. {part} (r_target {t}{label(lt, t)})", f"{paper2[(m, t)]:+.1f}", cell(res), v,
-                      COMMANDS["2"]))
-    own = {"ltp": (c2[("ltp", 0.5)][0], extra.get("tome@ltp0.5")), "ltm": (c2[("ltm", 0.5)][0], c2[("ltm", 0.5)][1]),
-           "ltmp": (c2[("ltmp", 0.5)][0], c1[0.5][1])}
+            L.append(
+                f"| {part} | {t} | {rf(lt)} | {gm(lt)} | {top1(lt)} | {gm(tk)} | {top1(tk)} | {cell(res)} | "
+                f"{paper2[(m, t)]:+.1f} | {v} |"
+            )
+            S.append((f"2. {part} (r_target {t}{label(lt, t)})", f"{paper2[(m, t)]:+.1f}", cell(res), v, COMMANDS["2"]))
+    own = {
+        "ltp": (c2[("ltp", 0.5)][0], extra.get("tome@ltp0.5")),
+        "ltm": (c2[("ltm", 0.5)][0], c2[("ltm", 0.5)][1]),
+        "ltmp": (c2[("ltmp", 0.5)][0], c1[0.5][1]),
+    }
     if all(a is not None and b is not None for a, b in own.values()):
         gap = {m: a["top1"] - b["top1"] for m, (a, b) in own.items()}
         best = max(gap, key=gap.get)
         rival = max((m for m in gap if m != "ltmp"), key=gap.get)
         res = gaps(tests, ("2best",), [own["ltmp"]], [own[rival]])
-        L.append("\nBest learned variant at r_target 0.5, by its gap over ToMe at its own GMACs (their GMACs "
-                 "differ: " + ", ".join(f"{m.upper()} {own[m][0]['gmacs']:.4f}" for m in own) + "): "
-                 + ", ".join(f"{m.upper()} {gap[m]:+.2f}" for m in own) + f"; LTMP - {rival.upper()} {fmt(res)}. "
-                 "Paper: LTMP.")
-        S.append(("2. LTMP is the best learned variant (r_target 0.5, gaps over ToMe at own GMACs)", "LTMP",
-                  f"{best.upper()} (LTMP - {rival.upper()} {fmt(res)})",
-                  ("agrees" if best == "ltmp" else "disagrees") if res["holm"] < 0.05 else "level here",
-                  COMMANDS["2"]))
+        L.append(
+            "\nBest learned variant at r_target 0.5, by its gap over ToMe at its own GMACs (their GMACs "
+            "differ: "
+            + ", ".join(f"{m.upper()} {own[m][0]['gmacs']:.4f}" for m in own)
+            + "): "
+            + ", ".join(f"{m.upper()} {gap[m]:+.2f}" for m in own)
+            + f"; LTMP - {rival.upper()} {fmt(res)}. "
+            "Paper: LTMP."
+        )
+        S.append(
+            (
+                "2. LTMP is the best learned variant (r_target 0.5, gaps over ToMe at own GMACs)",
+                "LTMP",
+                f"{best.upper()} (LTMP - {rival.upper()} {fmt(res)})",
+                ("agrees" if best == "ltmp" else "disagrees") if res["holm"] < 0.05 else "level here",
+                COMMANDS["2"],
+            )
+        )
     L += ["", "Tokens pruned per image in blocks 1-12 (learned pruning against top-k at the same GMACs):", ""]
     for t in ABLATION_TARGETS:
         lt, tk = c2[("ltp", t)]
         if lt is not None and tk is not None:
             for name, r in ((f"LTP r_target {t} (reached r_FLOPs {lt['r_flops']:.3f})", lt), ("top-k", tk)):
                 L.append(f"- {name}: " + ", ".join(f"{x['pruned']:.1f}" for x in r["per_layer"]))
-    L += ["", f"The LTP runs of {STEPS} steps miss r_target 0.5 (the comparison is at the GMACs they reached). "
-          "Paper (DeiT-S at 3.0G / 2.3G, i.e. r_FLOPs 0.65 / 0.5): LTP +1.3 / +1.7 over top-k pruning; LTM +0.2 / "
-          "+0.1 over ToMe; LTMP +0.6 / +1.0 over top-k merging + pruning; LTMP best of all, and top-k merging + "
-          "pruning below ToMe."]
+    L += [
+        "",
+        f"The LTP runs of {STEPS} steps miss r_target 0.5 (the comparison is at the GMACs they reached). "
+        "Paper (DeiT-S at 3.0G / 2.3G, i.e. r_FLOPs 0.65 / 0.5): LTP +1.3 / +1.7 over top-k pruning; LTM +0.2 / "
+        "+0.1 over ToMe; LTMP +0.6 / +1.0 over top-k merging + pruning; LTMP best of all, and top-k merging + "
+        "pruning below ToMe.",
+    ]
     # claim 3
-    L += ["", "## 3. Design choices (Table 4)", "",
-          "The variants compared here land at different GMACs, so each is compared with a fixed-rate baseline at "
-          "its own GMACs (top-k pruning for LTP, ToMe for LTMP and LTPM) and the gaps are compared.", "",
-          "| r_target | LTP class attention (GMACs) | LTP mean column attention (GMACs) | mean - class, gaps over "
-          "top-k (95% CI, Holm p) | LTPM (GMACs) | LTMP (GMACs) | LTMP - LTPM, gaps over ToMe (95% CI, Holm p) |",
-          "|---|---|---|---|---|---|---|"]
+    L += [
+        "",
+        "## 3. Design choices (Table 4)",
+        "",
+        "The variants compared here land at different GMACs, so each is compared with a fixed-rate baseline at "
+        "its own GMACs (top-k pruning for LTP, ToMe for LTMP and LTPM) and the gaps are compared.",
+        "",
+        "| r_target | LTP class attention (GMACs) | LTP mean column attention (GMACs) | mean - class, gaps over "
+        "top-k (95% CI, Holm p) | LTPM (GMACs) | LTMP (GMACs) | LTMP - LTPM, gaps over ToMe (95% CI, Holm p) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for t in ABLATION_TARGETS:
         r = c3[t]
         cells = {k: f"{top1(v)} ({gm(v)})" for k, v in r.items()}
-        imp = gaps(tests, ("3imp", t), [(r["ltp-mean"], c2[("ltp", t)][1])], [(r["ltp-cls"],
-                                                                              extra.get(f"topk@ltp-cls{t}"))])
+        imp = gaps(
+            tests, ("3imp", t), [(r["ltp-mean"], c2[("ltp", t)][1])], [(r["ltp-cls"], extra.get(f"topk@ltp-cls{t}"))]
+        )
         order = gaps(tests, ("3order", t), [(r["ltmp"], c1[t][1])], [(r["ltpm"], extra.get(f"tome@ltpm{t}"))])
-        L.append(f"| {t} | {cells['ltp-cls']} | {cells['ltp-mean']} | {cell(imp)} | {cells['ltpm']} | "
-                 f"{cells['ltmp']} | {cell(order)} |")
+        L.append(
+            f"| {t} | {cells['ltp-cls']} | {cells['ltp-mean']} | {cell(imp)} | {cells['ltpm']} | "
+            f"{cells['ltmp']} | {cell(order)} |"
+        )
         paper_imp, paper_order = {0.65: 0.0, 0.5: 0.2}[t], 0.2
-        S.append((f"3. mean column vs class attention, LTP (r_target {t})", f"{paper_imp:+.1f}", cell(imp),
-                  judge(imp, paper_imp), COMMANDS["3"]))
-        S.append((f"3. LTMP vs LTPM (r_target {t})", f"{paper_order:+.1f}", cell(order), judge(order, paper_order),
-                  COMMANDS["3"]))
-    L += ["", "Paper (DeiT-S at 3.1G / 2.3G): mean column attention 0.0 / +0.2 over class attention; LTMP +0.2 / "
-          "+0.2 over LTPM. Both importance scores use the same prune lr here, as in the paper; the class "
-          "attention score sums over heads (eq. 16), so its thresholds live on a scale num_heads times larger."]
+        S.append(
+            (
+                f"3. mean column vs class attention, LTP (r_target {t})",
+                f"{paper_imp:+.1f}",
+                cell(imp),
+                judge(imp, paper_imp),
+                COMMANDS["3"],
+            )
+        )
+        S.append(
+            (
+                f"3. LTMP vs LTPM (r_target {t})",
+                f"{paper_order:+.1f}",
+                cell(order),
+                judge(order, paper_order),
+                COMMANDS["3"],
+            )
+        )
+    L += [
+        "",
+        "Paper (DeiT-S at 3.1G / 2.3G): mean column attention 0.0 / +0.2 over class attention; LTMP +0.2 / "
+        "+0.2 over LTPM. Both importance scores use the same prune lr here, as in the paper; the class "
+        "attention score sums over heads (eq. 16), so its thresholds live on a scale num_heads times larger.",
+    ]
     # claim 4
-    L += ["", "## 4. Merging and pruning across layers (Figures 5-6)", "",
-          "Mean tokens merged / pruned per layer at r_target 0.5 (10,000 test images):", ""]
+    L += [
+        "",
+        "## 4. Merging and pruning across layers (Figures 5-6)",
+        "",
+        "Mean tokens merged / pruned per layer at r_target 0.5 (10,000 test images):",
+        "",
+    ]
     for name, r in split:
         L.append(f"- {name}: " + ", ".join(f"{x['merged']:.1f}/{x['pruned']:.1f}" for x in r["per_layer"]))
-    L += ["", "![merged and pruned per layer](img/results-layers.png)", "",
-          "Per-image distributions (box plots over the 10,000 test images, `ltmp analyze`): "
-          + ", ".join(f"[{m.upper()}](img/results-layers-{m}.png)" for m, a in c4.items() if a is not None), ""]
+    L += [
+        "",
+        "![merged and pruned per layer](img/results-layers.png)",
+        "",
+        "Per-image distributions (box plots over the 10,000 test images, `ltmp analyze`): "
+        + ", ".join(f"[{m.upper()}](img/results-layers-{m}.png)" for m, a in c4.items() if a is not None),
+        "",
+    ]
     lt = c2[("ltmp", 0.5)][0]
     if lt is not None:
         half = len(lt["per_layer"]) // 2
         early, late = early_late(lt)
-        S.append(("4. merging dominates early layers, pruning late ones (LTMP r_target 0.5)", "yes",
-                  f"early {early[0]:.1f} merged / {early[1]:.1f} pruned, late {late[0]:.1f} / {late[1]:.1f}",
-                  "agrees" if early[0] > early[1] and late[1] > late[0] else
-                  ("partly: merging dominates early" if early[0] > early[1] else "disagrees"), COMMANDS["4"]))
-        L.append("Thresholds of LTMP r_target 0.5 (blocks 1 / 6 / 12, from its log.jsonl): " + "; ".join(
-            f"after step {rec['step']}: merge " + " / ".join(f"{rec['merge'][b]:.3f}" for b in (0, half - 1, -1))
-            + ", prune " + " / ".join(f"{rec['prune'][b]:.4f}" for b in (0, half - 1, -1))
-            for rec in lt["log"]) + ".\n")
-        L.append(f"LTMP r_target 0.5: layers 1-{half} merge {early[0]:.1f} and prune {early[1]:.1f} tokens per "
-                 f"image; layers {half + 1}-{2 * half} merge {late[0]:.1f} and prune {late[1]:.1f}. Paper (DeiT-S, "
-                 "r_FLOPs 0.5): merging dominates the early layers, pruning the late ones.")
+        S.append(
+            (
+                "4. merging dominates early layers, pruning late ones (LTMP r_target 0.5)",
+                "yes",
+                f"early {early[0]:.1f} merged / {early[1]:.1f} pruned, late {late[0]:.1f} / {late[1]:.1f}",
+                "agrees"
+                if early[0] > early[1] and late[1] > late[0]
+                else ("partly: merging dominates early" if early[0] > early[1] else "disagrees"),
+                COMMANDS["4"],
+            )
+        )
+        L.append(
+            "Thresholds of LTMP r_target 0.5 (blocks 1 / 6 / 12, from its log.jsonl): "
+            + "; ".join(
+                f"after step {rec['step']}: merge "
+                + " / ".join(f"{rec['merge'][b]:.3f}" for b in (0, half - 1, -1))
+                + ", prune "
+                + " / ".join(f"{rec['prune'][b]:.4f}" for b in (0, half - 1, -1))
+                for rec in lt["log"]
+            )
+            + ".\n"
+        )
+        L.append(
+            f"LTMP r_target 0.5: layers 1-{half} merge {early[0]:.1f} and prune {early[1]:.1f} tokens per "
+            f"image; layers {half + 1}-{2 * half} merge {late[0]:.1f} and prune {late[1]:.1f}. Paper (DeiT-S, "
+            "r_FLOPs 0.5): merging dominates the early layers, pruning the late ones."
+        )
     # claim 5
-    L += ["", "## 5. Spread over seeds (Appendix B)", "",
-          "The seed sets the images drawn and their augmentation (and, for these runs, the held-out images); the "
-          "test set is fixed. A range agrees with the paper's when it is at most 0.10 points (as shown, to two "
-          "decimals).", "",
-          "| r_target | seeds done | LTMP top-1 per seed | range | LTMP - ToMe, mean +- std | r_FLOPs range |",
-          "|---|---|---|---|---|---|"]
+    L += [
+        "",
+        "## 5. Spread over seeds (Appendix B)",
+        "",
+        "The seed sets the images drawn and their augmentation (and, for these runs, the held-out images); the "
+        "test set is fixed. A range agrees with the paper's when it is at most 0.10 points (as shown, to two "
+        "decimals).",
+        "",
+        "| r_target | seeds done | LTMP top-1 per seed | range | LTMP - ToMe, mean +- std | r_FLOPs range |",
+        "|---|---|---|---|---|---|",
+    ]
     for t in SEED_TARGETS:
         runs = [(lt, tm) for (s, tt), (lt, tm) in sorted(c5.items()) if tt == t and lt is not None]
         if not runs:
@@ -693,51 +937,85 @@ def render(img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run, c8, extra, re
         diffs = [lt["top1"] - tm["top1"] for lt, tm in runs if tm is not None]
         rfs = [lt["r_flops"] for lt, _ in runs]
         d = f"{np.mean(diffs):+.2f} +- {np.std(diffs, ddof=1) if len(diffs) > 1 else 0:.2f}" if diffs else "pending"
-        L.append(f"| {t} | {len(runs)} | {', '.join(f'{a:.2f}' for a in accs)} | {spread:.2f} | {d} | "
-                 f"{min(rfs):.3f}-{max(rfs):.3f} |")
+        L.append(
+            f"| {t} | {len(runs)} | {', '.join(f'{a:.2f}' for a in accs)} | {spread:.2f} | {d} | "
+            f"{min(rfs):.3f}-{max(rfs):.3f} |"
+        )
         if len(runs) > 1:
-            S.append((f"5. seed spread (r_target {t}, {len(runs)} seeds)", "range 0.03-0.05", f"range {spread:.2f}",
-                      "agrees" if spread <= 0.10 else "larger here", COMMANDS["5"]))
-    L += ["", "Paper (DeiT-S, 5 seeds at r_target 0.80 / 0.62 / 0.55 / 0.45): accuracy ranges 0.030 / 0.034 / "
-          "0.032 / 0.050 points (Appendix B)."]
+            S.append(
+                (
+                    f"5. seed spread (r_target {t}, {len(runs)} seeds)",
+                    "range 0.03-0.05",
+                    f"range {spread:.2f}",
+                    "agrees" if spread <= 0.10 else "larger here",
+                    COMMANDS["5"],
+                )
+            )
+    L += [
+        "",
+        "Paper (DeiT-S, 5 seeds at r_target 0.80 / 0.62 / 0.55 / 0.45): accuracy ranges 0.030 / 0.034 / "
+        "0.032 / 0.050 points (Appendix B).",
+    ]
     # claim 6
     L += ["", "## 6. Convergence: how many training images?", ""]
     if c6 is None:
         L.append(f"pending (one run of {EPOCH_STEPS} steps = one epoch at r_target 0.5, evaluated along the way)")
     else:
-        L += [f"One epoch ({EPOCH_STEPS} steps of 128) of the recipe at r_target 0.5; the thresholds logged after "
-              "those steps, evaluated on the test set (`benchmarks/convergence.py`):", "",
-              "| step | training images | top-1 | r_FLOPs | pruned per image |", "|---|---|---|---|---|"]
+        L += [
+            f"One epoch ({EPOCH_STEPS} steps of 128) of the recipe at r_target 0.5; the thresholds logged after "
+            "those steps, evaluated on the test set (`benchmarks/convergence.py`):",
+            "",
+            "| step | training images | top-1 | r_FLOPs | pruned per image |",
+            "|---|---|---|---|---|",
+        ]
         for row in c6:
-            L.append(f"| {row['step']} | {row['images']} | {row['top1']:.2f} | {row['r_flops']:.3f} | "
-                     f"{row['pruned_per_image']:.2f} |")
+            L.append(
+                f"| {row['step']} | {row['images']} | {row['top1']:.2f} | {row['r_flops']:.3f} | "
+                f"{row['pruned_per_image']:.2f} |"
+            )
         short = c2[("ltmp", 0.5)][0]
         if short is not None and long_run is not None:
             res = gaps(tests, ("6",), [(short, c1[0.5][1])], [(long_run, extra.get("tome@epoch"))])
-            S.append((f"6. one epoch needed? ({STEPS} steps vs {EPOCH_STEPS}, gaps over ToMe at own GMACs)",
-                      "one epoch used (not studied)", cell(res),
-                      "pending" if res is None else ("fewer suffice" if res["holm"] >= 0.05 or res["diff"] >= 0
-                                                     else "the epoch is better"), COMMANDS["6"]))
+            S.append(
+                (
+                    f"6. one epoch needed? ({STEPS} steps vs {EPOCH_STEPS}, gaps over ToMe at own GMACs)",
+                    "one epoch used (not studied)",
+                    cell(res),
+                    "pending"
+                    if res is None
+                    else ("fewer suffice" if res["holm"] >= 0.05 or res["diff"] >= 0 else "the epoch is better"),
+                    COMMANDS["6"],
+                )
+            )
             (e0, l0), (e1, l1) = early_late(short), early_late(long_run)
-            L.append(f"\nTokens merged / pruned per image in blocks 1-6 and 7-12: after {STEPS} steps "
-                     f"{e0[0]:.1f}/{e0[1]:.1f} and {l0[0]:.1f}/{l0[1]:.1f}; after the epoch {e1[0]:.1f}/{e1[1]:.1f} "
-                     f"and {l1[0]:.1f}/{l1[1]:.1f}.")
-            L.append(f"\nThe {STEPS}-step run of claim 1 (same seed, so the same first {STEPS} steps) against the "
-                     f"epoch: top-1 {short['top1']:.2f} vs {long_run['top1']:.2f}, r_FLOPs {short['r_flops']:.3f} "
-                     f"vs {long_run['r_flops']:.3f} (GMACs {short['gmacs']:.4f} vs {long_run['gmacs']:.4f}); "
-                     f"{STEPS} steps - epoch, each against ToMe at its own GMACs: {cell(res)}.")
+            L.append(
+                f"\nTokens merged / pruned per image in blocks 1-6 and 7-12: after {STEPS} steps "
+                f"{e0[0]:.1f}/{e0[1]:.1f} and {l0[0]:.1f}/{l0[1]:.1f}; after the epoch {e1[0]:.1f}/{e1[1]:.1f} "
+                f"and {l1[0]:.1f}/{l1[1]:.1f}."
+            )
+            L.append(
+                f"\nThe {STEPS}-step run of claim 1 (same seed, so the same first {STEPS} steps) against the "
+                f"epoch: top-1 {short['top1']:.2f} vs {long_run['top1']:.2f}, r_FLOPs {short['r_flops']:.3f} "
+                f"vs {long_run['r_flops']:.3f} (GMACs {short['gmacs']:.4f} vs {long_run['gmacs']:.4f}); "
+                f"{STEPS} steps - epoch, each against ToMe at its own GMACs: {cell(res)}."
+            )
         L.append("\nPaper: one epoch of ImageNet (about 10,000 steps); no study of fewer.")
     # claim 7
-    L += ["", "## 7. Beyond the paper: training-free calibration", "",
-          "`ltmp calibrate --mode shared`: one merge threshold for all blocks, bisected on training images, no "
-          "training: at r_target (256 images) and at each trained LTMP run's test r_FLOPs (`--match`, 1,024 "
-          "images; the comparison with the trained run is at matched GMACs). `--mode quantile` (at r_target "
-          + " and ".join(map(str, QUANTILE_TARGETS)) + "): per-layer thresholds that merge a fraction f of each "
-          "layer's set-A tokens and prune f/2 of the rest, f bisected. All against the trained LTMP run of claim 1.",
-          "",
-          "| r_target | calibrated at r_target: r_FLOPs, top-1 | trained r_FLOPs | trained top-1 | calibrated at the "
-          "trained GMACs: GMACs off, top-1 | that - trained (95% CI, Holm p) | quantile: r_FLOPs, top-1 |",
-          "|---|---|---|---|---|---|---|"]
+    L += [
+        "",
+        "## 7. Beyond the paper: training-free calibration",
+        "",
+        "`ltmp calibrate --mode shared`: one merge threshold for all blocks, bisected on training images, no "
+        "training: at r_target (256 images) and at each trained LTMP run's test r_FLOPs (`--match`, 1,024 "
+        "images; the comparison with the trained run is at matched GMACs). `--mode quantile` (at r_target "
+        + " and ".join(map(str, QUANTILE_TARGETS))
+        + "): per-layer thresholds that merge a fraction f of each "
+        "layer's set-A tokens and prune f/2 of the rest, f bisected. All against the trained LTMP run of claim 1.",
+        "",
+        "| r_target | calibrated at r_target: r_FLOPs, top-1 | trained r_FLOPs | trained top-1 | calibrated at the "
+        "trained GMACs: GMACs off, top-1 | that - trained (95% CI, Holm p) | quantile: r_FLOPs, top-1 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     t7 = {}
     for t in TARGETS:
         lt, _, cal = c1[t]
@@ -750,20 +1028,34 @@ def render(img, jobs, dense, c1, c2, c3, c4, c5, c6, c7, long_run, c8, extra, re
     if cal:
         res = [t7[t] for t, _, _ in cal]
         off = max(gmacs_off(a, b) for _, a, b in cal)
-        S.append(("7. one shared threshold vs trained, at matched GMACs (not in the paper)", "-",
-                  f"{min(r['diff'] for r in res):+.2f} to {max(r['diff'] for r in res):+.2f} over {len(cal)} "
-                  f"budgets (GMACs at most {100 * off:.1f}% apart)",
-                  f"shared better at {sum(r['diff'] > 0 and r['holm'] < 0.05 for r in res)}, trained better at "
-                  f"{sum(r['diff'] < 0 and r['holm'] < 0.05 for r in res)}, level at "
-                  f"{sum(r['holm'] >= 0.05 for r in res)} of {len(cal)}", COMMANDS["7"]))
+        S.append(
+            (
+                "7. one shared threshold vs trained, at matched GMACs (not in the paper)",
+                "-",
+                f"{min(r['diff'] for r in res):+.2f} to {max(r['diff'] for r in res):+.2f} over {len(cal)} "
+                f"budgets (GMACs at most {100 * off:.1f}% apart)",
+                f"shared better at {sum(r['diff'] > 0 and r['holm'] < 0.05 for r in res)}, trained better at "
+                f"{sum(r['diff'] < 0 and r['holm'] < 0.05 for r in res)}, level at "
+                f"{sum(r['holm'] >= 0.05 for r in res)} of {len(cal)}",
+                COMMANDS["7"],
+            )
+        )
     L += ["", "How the modes work and when to use them: [calibration.md](calibration.md)."]
     L += claim8(c8, tests, S)
     L += authors_code(reference, tests, S)
     head = L.index("## Recipes")
-    L[head:head] = ["## Summary", "", "Differences in top-1 points on the 10,000 test images (95% interval, Holm-"
-                    "adjusted p over the page).", "", "| claim | paper | ours | verdict | command |",
-                    "|---|---|---|---|---|"] + [f"| {c} | {pa} | {o} | {v} | {cmd} |" for c, pa, o, v, cmd in S] + [
-        "", tally(S), ""]
+    L[head:head] = (
+        [
+            "## Summary",
+            "",
+            "Differences in top-1 points on the 10,000 test images (95% interval, Holm-adjusted p over the page).",
+            "",
+            "| claim | paper | ours | verdict | command |",
+            "|---|---|---|---|---|",
+        ]
+        + [f"| {c} | {pa} | {o} | {v} | {cmd} |" for c, pa, o, v, cmd in S]
+        + ["", tally(S), ""]
+    )
     return "\n".join(L) + "\n"
 
 
@@ -804,9 +1096,13 @@ def claim8(c8: dict, tests: Tests, S: list) -> list[str]:
     fixed_name = {"ltmp": "ToMe", "ltp": "top-k pruning"}
     d_name, b_name = DEFAULT_RECIPE, BEFORE_RECIPE
     verdicts: dict[tuple[str, str], list] = {}  # (method, comparison) -> per budget (r_target, test or None)
-    L = ["", "## 8. Learned allocation, pre-registered", "",
-         PREREGISTRATION.format(default=" ".join(PREREG_RECIPES[d_name]), before=" ".join(PREREG_RECIPES[b_name])),
-         ""]
+    L = [
+        "",
+        "## 8. Learned allocation, pre-registered",
+        "",
+        PREREGISTRATION.format(default=" ".join(PREREG_RECIPES[d_name]), before=" ".join(PREREG_RECIPES[b_name])),
+        "",
+    ]
     n = len(PREREG_SEEDS)
 
     def pooled(key: tuple, pairs: list[tuple[dict, dict]]) -> tuple[str, dict | None]:
@@ -819,11 +1115,15 @@ def claim8(c8: dict, tests: Tests, S: list) -> list[str]:
     for method in ("ltmp", "ltp"):
         targets = PREREG_TARGETS if method == "ltmp" else PREREG_LTP_TARGETS
         fx = fixed_name[method]
-        L += [f"**{method.upper()}** (top-1 and GMACs ratio: means over the seeds; differences in points, seed-"
-              "averaged per image):", "",
-              f"| r_target | seeds | top-1 | GMACs ratio | - {fx} even | - control ({fx} with the learned "
-              f"schedule) | control - {fx} even | - shared threshold | gap over {fx}: SGD - Adam | reallocated vs "
-              "shared |", "|---|---|---|---|---|---|---|---|---|---|"]
+        L += [
+            f"**{method.upper()}** (top-1 and GMACs ratio: means over the seeds; differences in points, seed-"
+            "averaged per image):",
+            "",
+            f"| r_target | seeds | top-1 | GMACs ratio | - {fx} even | - control ({fx} with the learned "
+            f"schedule) | control - {fx} even | - shared threshold | gap over {fx}: SGD - Adam | reallocated vs "
+            "shared |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for t in targets:
             runs = [c8.get((method, t, s)) or {} for s in PREREG_SEEDS]
             new = [r[d_name] for r in runs if r.get(d_name) is not None]
@@ -842,28 +1142,40 @@ def claim8(c8: dict, tests: Tests, S: list) -> list[str]:
             ratio = f"{np.mean([r['gmacs'] / r['gmacs_dense'] for r in new]):.3f}" if new else "pending"
             re_ = [r["allocation"]["reallocated"] for r in new if "allocation" in r]
             realloc = f"{100 * np.mean(re_):.0f}%" if re_ else "-"
-            L.append(f"| {t} | {len(new)} | {top} | {ratio} | {even} | {ctrl} | {alloc} | {shared} | {old} | "
-                     f"{realloc} |")
+            L.append(
+                f"| {t} | {len(new)} | {top} | {ratio} | {even} | {ctrl} | {alloc} | {shared} | {old} | {realloc} |"
+            )
             for kind, res in {"even": de, "where": da, "which": dc, "shared": ds, "recipe": dold}.items():
                 verdicts.setdefault((method, kind), []).append((t, res))
         L.append("")
-    sides = {"even": ("learned", "even schedule"), "where": ("learned schedule", "even schedule"),
-             "which": ("learned", "fixed rate with its schedule"), "shared": ("learned", "shared threshold"),
-             "recipe": ("SGD", "Adam")}
+    sides = {
+        "even": ("learned", "even schedule"),
+        "where": ("learned schedule", "even schedule"),
+        "which": ("learned", "fixed rate with its schedule"),
+        "shared": ("learned", "shared threshold"),
+        "recipe": ("SGD", "Adam"),
+    }
     for (method, kind), rows in verdicts.items():
         M, fx = method.upper(), fixed_name[method]
-        claim = {"even": f"learned {M} vs {fx} (even schedule)",
-                 "where": f"where: {fx} with {M}'s learned schedule vs an even one",
-                 "which": f"which images: learned {M} vs {fx} with its learned schedule",
-                 "shared": f"learned {M} vs one shared threshold",
-                 "recipe": f"{M} trained with SGD vs Adam (gaps over {fx})"}[kind]
+        claim = {
+            "even": f"learned {M} vs {fx} (even schedule)",
+            "where": f"where: {fx} with {M}'s learned schedule vs an even one",
+            "which": f"which images: learned {M} vs {fx} with its learned schedule",
+            "shared": f"learned {M} vs one shared threshold",
+            "recipe": f"{M} trained with SGD vs Adam (gaps over {fx})",
+        }[kind]
         ours = "; ".join(f"r {t}: " + ("pending" if r is None else fmt(r)) for t, r in rows)
         done = [r for _, r in rows if r is not None]
         a, b = sides[kind]
-        verdict = "pending" if not done else (
-            f"{a} better at {sum(r['diff'] > 0 and r['holm'] < 0.05 for r in done)}, {b} better at "
-            f"{sum(r['diff'] < 0 and r['holm'] < 0.05 for r in done)}, level at "
-            f"{sum(r['holm'] >= 0.05 for r in done)} of {len(rows)}")
+        verdict = (
+            "pending"
+            if not done
+            else (
+                f"{a} better at {sum(r['diff'] > 0 and r['holm'] < 0.05 for r in done)}, {b} better at "
+                f"{sum(r['diff'] < 0 and r['holm'] < 0.05 for r in done)}, level at "
+                f"{sum(r['holm'] >= 0.05 for r in done)} of {len(rows)}"
+            )
+        )
         paper = {"even": f"{M} better" if method == "ltmp" else "+1.7 (r 0.5)"}.get(kind, "-")
         S.append((f"8. {claim} ({n} seeds)", paper, ours, verdict, COMMANDS["8"]))
     outcome = []  # the decision rule's last sentence, applied per method (ltmp.train.METHOD_OPTIMIZER follows it)
@@ -871,12 +1183,18 @@ def claim8(c8: dict, tests: Tests, S: list) -> list[str]:
         rows = verdicts.get((method, "recipe"), [])
         if rows and all(r is not None for _, r in rows):
             worse = [f"r {t}" for t, r in rows if r["diff"] < 0 and r["holm"] < 0.05]
-            outcome.append(f"{method.upper()}: SGD worse at {', '.join(worse)}, so `ltmp train --method {method}` "
-                           "uses Adam" if worse else f"{method.upper()}: SGD not worse at any budget, so it stays")
+            outcome.append(
+                f"{method.upper()}: SGD worse at {', '.join(worse)}, so `ltmp train --method {method}` uses Adam"
+                if worse
+                else f"{method.upper()}: SGD not worse at any budget, so it stays"
+            )
     if outcome:
-        L += [f"**Outcome of the decision rule**: {'; '.join(outcome)} (`ltmp.train.METHOD_OPTIMIZER`). These SGD "
-              "runs step the prune thresholds at the paper's ratio of learning rates; `ltmp train`'s SGD now steps "
-              "them in units of the scores' spread ([training.md](training.md)).", ""]
+        L += [
+            f"**Outcome of the decision rule**: {'; '.join(outcome)} (`ltmp.train.METHOD_OPTIMIZER`). These SGD "
+            "runs step the prune thresholds at the paper's ratio of learning rates; `ltmp train`'s SGD now steps "
+            "them in units of the scores' spread ([training.md](training.md)).",
+            "",
+        ]
     return L
 
 
@@ -891,17 +1209,21 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
     if reference is None:
         return L + ["pending: `python benchmarks/reference_pipeline.py` has not written `results/reference.json`."]
     fixed_name = {"ltmp": "ToMe", "ltp": "top-k pruning"}
-    L += [f"The authors' training script (`tools/train.py` of github Mxbonn/ltmp at {reference['reference'][:7]}, "
-          "on timm 0.9.5 in an environment of its own) trained the thresholds of this model for one epoch "
-          f"({reference['steps']} steps of 128 on its 98%) at r_target {reference['r_target']} with its own recipe "
-          "(label smoothing, plain SGD, its augmentation, [0, 1] clamp, the prune mask overwriting the merge mask, "
-          "...) and the paper's tau 0.1, at the paper's learning rates scaled to that length as `ltmp train` scales "
-          "them, and at 10x those. Its own inference model (tokens removed, batch 1) then ran the 10,000 test "
-          "images; GMACs come from its per-block token counts. Each run is compared, on the same images, with the "
-          "fixed-rate counterpart at its GMACs: an even schedule, and its own mean per-block counts as schedule.",
-          "", "| run | lr prune / merge | r_FLOPs | GMACs ratio | top-1 (its inference model) | top-1 reported by "
-          "its train script | merged / pruned per image | - fixed rate, even (95% CI, Holm p) | - fixed rate, "
-          "its schedule (95% CI, Holm p) |", "|---|---|---|---|---|---|---|---|---|"]
+    L += [
+        f"The authors' training script (`tools/train.py` of github Mxbonn/ltmp at {reference['reference'][:7]}, "
+        "on timm 0.9.5 in an environment of its own) trained the thresholds of this model for one epoch "
+        f"({reference['steps']} steps of 128 on its 98%) at r_target {reference['r_target']} with its own recipe "
+        "(label smoothing, plain SGD, its augmentation, [0, 1] clamp, the prune mask overwriting the merge mask, "
+        "...) and the paper's tau 0.1, at the paper's learning rates scaled to that length as `ltmp train` scales "
+        "them, and at 10x those. Its own inference model (tokens removed, batch 1) then ran the 10,000 test "
+        "images; GMACs come from its per-block token counts. Each run is compared, on the same images, with the "
+        "fixed-rate counterpart at its GMACs: an even schedule, and its own mean per-block counts as schedule.",
+        "",
+        "| run | lr prune / merge | r_FLOPs | GMACs ratio | top-1 (its inference model) | top-1 reported by "
+        "its train script | merged / pruned per image | - fixed rate, even (95% CI, Holm p) | - fixed rate, "
+        "its schedule (95% CI, Holm p) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     verdict = {}
     for name, r in reference["runs"].items():
         res = {}
@@ -909,26 +1231,37 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
             res[kind] = tests.run(("A", name, kind), [(1.0, [unpack(r["correct"])]), (-1.0, [unpack(base["correct"])])])
         merged = sum(x["merged"] for x in r["per_layer"])
         pruned = sum(x["pruned"] for x in r["per_layer"])
-        L.append(f"| {name} | {r['lr']['prune']:.3g} / {r['lr']['merge']:.3g} | {r['r_flops']:.3f} | "
-                 f"{r['gmacs'] / r['gmacs_dense']:.3f} | {r['top1']:.2f} | {r['masked_top1']:.2f} | "
-                 f"{merged:.1f} / {pruned:.1f} | {fmt(res['even'])} ({r['baselines']['even']['top1']:.2f}) | "
-                 f"{fmt(res['own'])} ({r['baselines']['own']['top1']:.2f}) |")
+        L.append(
+            f"| {name} | {r['lr']['prune']:.3g} / {r['lr']['merge']:.3g} | {r['r_flops']:.3f} | "
+            f"{r['gmacs'] / r['gmacs_dense']:.3f} | {r['top1']:.2f} | {r['masked_top1']:.2f} | "
+            f"{merged:.1f} / {pruned:.1f} | {fmt(res['even'])} ({r['baselines']['even']['top1']:.2f}) | "
+            f"{fmt(res['own'])} ({r['baselines']['own']['top1']:.2f}) |"
+        )
         if r["r_flops"] <= reference["r_target"] + BUDGET_SLACK:
             verdict.setdefault(r["method"], []).append((name, res["even"]))
     for method, fx in fixed_name.items():
         met = verdict.get(method, [])
         runs = [n for n, r in reference["runs"].items() if r["method"] == method]
         if not met:
-            text = (f"no run of the authors' {method.upper()} met the budget (r_FLOPs within {BUDGET_SLACK} of "
-                    f"{reference['r_target']})")
+            text = (
+                f"no run of the authors' {method.upper()} met the budget (r_FLOPs within {BUDGET_SLACK} of "
+                f"{reference['r_target']})"
+            )
             v = "no verdict"
         else:
             best_name, best = max(met, key=lambda nr: nr[1]["diff"])
             text = f"{best_name}: {fmt(best)}"
             v = ("beats" if best["diff"] > 0 else "loses to") + f" {fx}" if best["holm"] < 0.05 else f"level with {fx}"
-        S.append((f"A. the authors' {method.upper()} vs {fx} at its GMACs (r_target {reference['r_target']}, "
-                  f"{len(runs)} learning rates)", "+1.7" if method == "ltp" else "+1.0 (vs top-k)", text, v,
-                  COMMANDS["A"]))
+        S.append(
+            (
+                f"A. the authors' {method.upper()} vs {fx} at its GMACs (r_target {reference['r_target']}, "
+                f"{len(runs)} learning rates)",
+                "+1.7" if method == "ltp" else "+1.0 (vs top-k)",
+                text,
+                v,
+                COMMANDS["A"],
+            )
+        )
         L.append("")
         L.append(f"**{method.upper()}**: " + text + f" ({v}).")
     ltp = verdict.get("ltp", [])
@@ -936,13 +1269,17 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
         best = max((r for _, r in ltp), key=lambda r: r["diff"])
         L.append("")
         if best["holm"] < 0.05 and best["diff"] < 0:
-            L.append("**Verdict: the gap belongs to the model.** The authors' own learned pruning, trained and "
-                     "evaluated with their code, also loses to top-k pruning at the same GMACs on this model, as "
-                     "ours does (claims 2 and 8).")
+            L.append(
+                "**Verdict: the gap belongs to the model.** The authors' own learned pruning, trained and "
+                "evaluated with their code, also loses to top-k pruning at the same GMACs on this model, as "
+                "ours does (claims 2 and 8)."
+            )
         elif best["diff"] >= 0 or best["holm"] >= 0.05:
-            L.append("**Verdict: the gap is ours.** The authors' learned pruning matches or beats top-k pruning at "
-                     "the same GMACs on this model, where ours loses to it (claims 2 and 8): "
-                     "[training.md](training.md) bisects the recipe for the difference that matters.")
+            L.append(
+                "**Verdict: the gap is ours.** The authors' learned pruning matches or beats top-k pruning at "
+                "the same GMACs on this model, where ours loses to it (claims 2 and 8): "
+                "[training.md](training.md) bisects the recipe for the difference that matters."
+            )
     return L
 
 

@@ -34,6 +34,7 @@ Runs unchanged on CUDA (``--device cuda``, the default when one is present). Nev
 model runs under ``torch.compile`` (the warm-up forwards compile), ratios are to the compiled dense model, and the
 batch-1 ``bound`` row is left out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,11 @@ def gmacs_of(model, spec, x: torch.Tensor) -> tuple[float, float, list[int]]:
         g = ltmp.dense_gmacs(spec)
         return g, g, []
     rec = ltmp.stats(model)
-    return float(ltmp.gmacs(spec, rec.kept.cpu()).mean()), ltmp.gmacs_executed(spec, rec.padded), \
-        rec.kept[:, -1].tolist()
+    return (
+        float(ltmp.gmacs(spec, rec.kept.cpu()).mean()),
+        ltmp.gmacs_executed(spec, rec.padded),
+        rec.kept[:, -1].tolist(),
+    )
 
 
 class Cut(torch.nn.Module):
@@ -138,8 +142,8 @@ def run_model(name: str, args, device) -> dict:
     g_dense = ltmp.dense_gmacs(spec)
     calib = load_images(dense, "train", 64).to(device)
     test = load_images(dense, "test", max(args.batch_size, args.singles)).to(device)
-    singles = [test[i:i + 1] for i in range(args.singles)]
-    batch = test[:args.batch_size]
+    singles = [test[i : i + 1] for i in range(args.singles)]
+    batch = test[: args.batch_size]
     out = {"model": name, "gmacs_dense": g_dense, "batch_size": len(batch), "targets": []}
     print(f"== {name}: dense {g_dense:.4f} GMACs", flush=True)
     for target in args.targets:
@@ -147,14 +151,20 @@ def run_model(name: str, args, device) -> dict:
         g1 = statistics.mean(gmacs_of(ltmp_m, spec, s)[0] for s in singles)
         gb, gb_exec, spread = gmacs_of(ltmp_m, spec, batch)
 
-        row = {"r_target": target, "r_calibrated": r, "kept_last_block": spread, "batch": {},
-               "ltmp_vs": {}}
-        print(f"-- r_target {target}: calibrated r_FLOPs {r:.3f}; batch-{len(batch)} kept after the last block "
-              f"min {min(spread)} / median {statistics.median(spread)} / max {max(spread)}", flush=True)
+        row = {"r_target": target, "r_calibrated": r, "kept_last_block": spread, "batch": {}, "ltmp_vs": {}}
+        print(
+            f"-- r_target {target}: calibrated r_FLOPs {r:.3f}; batch-{len(batch)} kept after the last block "
+            f"min {min(spread)} / median {statistics.median(spread)} / max {max(spread)}",
+            flush=True,
+        )
         for bs, x, g in (("1", singles, g1), (str(len(batch)), batch, gb)):
             # the baselines match LTMP's mean GMACs over these images (and, batched, its executed GMACs)
-            ms = {"dense": dense, "ltmp": ltmp_m.eval(), "tome": at_gmacs(dense, "tome", g),
-                  "topk-prune": at_gmacs(dense, "topk-prune", g)}
+            ms = {
+                "dense": dense,
+                "ltmp": ltmp_m.eval(),
+                "tome": at_gmacs(dense, "tome", g),
+                "topk-prune": at_gmacs(dense, "topk-prune", g),
+            }
             if bs != "1":
                 ms["tome@exec"] = at_gmacs(dense, "tome", gb_exec)
             elif not args.compile:  # the bound looks its counts up by input address: eager only
@@ -171,23 +181,32 @@ def run_model(name: str, args, device) -> dict:
                 else:
                     g, g_exec, _ = gmacs_of(m, spec, x)
                 ratio = paired_ratio(t, k, "dense")
-                res[k] = {"ms": 1000 * t[k]["median"], "iqr_ms": [1000 * t[k]["p25"], 1000 * t[k]["p75"]],
-                          "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
-                          "gmacs_ratio": g / g_dense,
-                          "gmacs_executed_ratio": g_exec / g_dense}
-                print(f"   batch {bs:>2} {k:<10} {res[k]['ms']:9.2f} ms  time {res[k]['time_ratio']:.3f}  "
-                      f"GMACs {res[k]['gmacs_ratio']:.3f} (executed {res[k]['gmacs_executed_ratio']:.3f})",
-                      flush=True)
+                res[k] = {
+                    "ms": 1000 * t[k]["median"],
+                    "iqr_ms": [1000 * t[k]["p25"], 1000 * t[k]["p75"]],
+                    "time_ratio": ratio["median"],
+                    "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
+                    "gmacs_ratio": g / g_dense,
+                    "gmacs_executed_ratio": g_exec / g_dense,
+                }
+                print(
+                    f"   batch {bs:>2} {k:<10} {res[k]['ms']:9.2f} ms  time {res[k]['time_ratio']:.3f}  "
+                    f"GMACs {res[k]['gmacs_ratio']:.3f} (executed {res[k]['gmacs_executed_ratio']:.3f})",
+                    flush=True,
+                )
             row["batch"][bs] = res
             row["ltmp_vs"][bs] = vs = {b: paired_ratio(t, "ltmp", b) for b in ("tome", "tome@exec") if b in t}
-            print(f"   batch {bs:>2} ltmp / " + ", ltmp / ".join(
-                f"{b} {v['median']:.3f} (IQR {v['p25']:.3f}-{v['p75']:.3f})" for b, v in vs.items()), flush=True)
+            print(
+                f"   batch {bs:>2} ltmp / "
+                + ", ltmp / ".join(f"{b} {v['median']:.3f} (IQR {v['p25']:.3f}-{v['p75']:.3f})" for b, v in vs.items()),
+                flush=True,
+            )
         out["targets"].append(row)
     # training cost and memory, with the thresholds of the last target
     plain = frozen(copy.deepcopy(dense))
     patched = frozen(ltmp.patch(copy.deepcopy(dense), "ltmp"))
     set_thresholds(patched, threshold_tensors(ltmp_m))
-    xt = batch[:args.train_batch]
+    xt = batch[: args.train_batch]
     timed = {"timm": plain, "ltmp-train": patched}
     if args.compile:
         timed = {k: compile_model(m, device, train=True) for k, m in timed.items()}
@@ -204,61 +223,92 @@ def run_model(name: str, args, device) -> dict:
     n_tok = spec.num_patches + spec.num_prefix
     act_bytes = 2 if args.amp else xt.element_size()  # activations are bf16 under --amp
     btc = xt.shape[0] * n_tok * spec.embed_dim * act_bytes * spec.depth
-    out["train"] = {"batch": xt.shape[0], "timm_ms": 1000 * tt["timm"], "ltmp_ms": 1000 * tt["ltmp-train"],
-                    "ratio": tt["ltmp-train"] / tt["timm"], "saved_bytes": mem, "btc_bytes_all_blocks": btc}
-    print(f"   train fwd+bwd batch {xt.shape[0]}: timm {1000 * tt['timm']:.1f} ms, ltmp {1000 * tt['ltmp-train']:.1f} "
-          f"ms, ratio {out['train']['ratio']:.3f}; saved for backward (MiB): timm "
-          f"{mem['timm']['attention'] / 2**20:.1f} attention + {mem['timm']['other'] / 2**20:.1f} other, ltmp "
-          f"{mem['ltmp-train']['attention'] / 2**20:.1f} + {mem['ltmp-train']['other'] / 2**20:.1f} "
-          f"(B*T*C*L = {btc / 2**20:.1f})", flush=True)
+    out["train"] = {
+        "batch": xt.shape[0],
+        "timm_ms": 1000 * tt["timm"],
+        "ltmp_ms": 1000 * tt["ltmp-train"],
+        "ratio": tt["ltmp-train"] / tt["timm"],
+        "saved_bytes": mem,
+        "btc_bytes_all_blocks": btc,
+    }
+    print(
+        f"   train fwd+bwd batch {xt.shape[0]}: timm {1000 * tt['timm']:.1f} ms, ltmp {1000 * tt['ltmp-train']:.1f} "
+        f"ms, ratio {out['train']['ratio']:.3f}; saved for backward (MiB): timm "
+        f"{mem['timm']['attention'] / 2**20:.1f} attention + {mem['timm']['other'] / 2**20:.1f} other, ltmp "
+        f"{mem['ltmp-train']['attention'] / 2**20:.1f} + {mem['ltmp-train']['other'] / 2**20:.1f} "
+        f"(B*T*C*L = {btc / 2**20:.1f})",
+        flush=True,
+    )
     return out
 
 
 def markdown(result: dict) -> str:
     env = result["env"]
     amp = (", bf16 autocast" if env.get("amp") else "") + (
-        ", every model under torch.compile as `--compile` does" if env.get("compiled") else "")
+        ", every model under torch.compile as `--compile` does" if env.get("compiled") else ""
+    )
     cmd = result["command"].split()  # runs before "singles" was recorded: from the command line
     singles = result.get("singles", int(cmd[cmd.index("--singles") + 1]) if "--singles" in cmd else 8)
-    lines = [f"Measured on: {env['device_name']}{amp}, torch {env['torch']}, timm {env['timm']}. Produced by "
-             f"`{result['command']}`. `ms` is one timed repetition: {singles} different images one at a time "
-             "(batch 1), "
-             f"or one batch of {result['models'][0].get('batch_size', 32)}; medians over interleaved rounds. "
-             f"Time and GMACs ratios are to the dense model; a time ratio is the median over rounds of that "
-             f"round's ratio (quartiles in parentheses where recorded), so that a slow spell of the machine cancels "
-             f"(so the ratio of two `ms` values is not the time ratio); "
-             f"baselines are matched to LTMP's mean GMACs, `tome@exec` to its executed (padded) GMACs."
-             + ("" if env.get("compiled") else " `bound` (batch 1): the dense model on LTMP's per-image token counts "
-                "with tokens simply cut off after each block's attention and no reduction step, the time those "
-                "counts cost with zero overhead."), ""]
+    lines = [
+        f"Measured on: {env['device_name']}{amp}, torch {env['torch']}, timm {env['timm']}. Produced by "
+        f"`{result['command']}`. `ms` is one timed repetition: {singles} different images one at a time "
+        "(batch 1), "
+        f"or one batch of {result['models'][0].get('batch_size', 32)}; medians over interleaved rounds. "
+        f"Time and GMACs ratios are to the dense model; a time ratio is the median over rounds of that "
+        f"round's ratio (quartiles in parentheses where recorded), so that a slow spell of the machine cancels "
+        f"(so the ratio of two `ms` values is not the time ratio); "
+        f"baselines are matched to LTMP's mean GMACs, `tome@exec` to its executed (padded) GMACs."
+        + (
+            ""
+            if env.get("compiled")
+            else " `bound` (batch 1): the dense model on LTMP's per-image token counts "
+            "with tokens simply cut off after each block's attention and no reduction step, the time those "
+            "counts cost with zero overhead."
+        ),
+        "",
+    ]
     for m in result["models"]:
-        lines += [f"### {m['model']} (dense {m['gmacs_dense']:.4f} GMACs)", "",
-                  "| r_target | method | batch | ms | time ratio | GMACs ratio | executed GMACs ratio |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {m['model']} (dense {m['gmacs_dense']:.4f} GMACs)",
+            "",
+            "| r_target | method | batch | ms | time ratio | GMACs ratio | executed GMACs ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for row in m["targets"]:
             for bs, res in row["batch"].items():
                 for k, v in res.items():
                     if k == "dense":
                         continue
                     iqr = " ({:.3f}-{:.3f})".format(*v["time_ratio_iqr"]) if "time_ratio_iqr" in v else ""
-                    lines.append(f"| {row['r_target']} | {k} | {bs} | {v['ms']:.2f} | {v['time_ratio']:.3f}{iqr} | "
-                                 f"{v['gmacs_ratio']:.3f} | {v['gmacs_executed_ratio']:.3f} |")
+                    lines.append(
+                        f"| {row['r_target']} | {k} | {bs} | {v['ms']:.2f} | {v['time_ratio']:.3f}{iqr} | "
+                        f"{v['gmacs_ratio']:.3f} | {v['gmacs_executed_ratio']:.3f} |"
+                    )
             big = list(row["batch"])[-1]
-            lines.append(f"| {row['r_target']} | dense | 1 / {big} | {row['batch']['1']['dense']['ms']:.2f} / "
-                         f"{row['batch'][big]['dense']['ms']:.2f} | 1 | 1 | 1 |")
-        vs = [f"r {row['r_target']} batch {bs}: " + ", ".join(
-            f"/ {b} {v['median']:.3f} ({v['p25']:.3f}-{v['p75']:.3f})" for b, v in per.items())
-            for row in m["targets"] for bs, per in row.get("ltmp_vs", {}).items()]
+            lines.append(
+                f"| {row['r_target']} | dense | 1 / {big} | {row['batch']['1']['dense']['ms']:.2f} / "
+                f"{row['batch'][big]['dense']['ms']:.2f} | 1 | 1 | 1 |"
+            )
+        vs = [
+            f"r {row['r_target']} batch {bs}: "
+            + ", ".join(f"/ {b} {v['median']:.3f} ({v['p25']:.3f}-{v['p75']:.3f})" for b, v in per.items())
+            for row in m["targets"]
+            for bs, per in row.get("ltmp_vs", {}).items()
+        ]
         if vs:
             lines += ["", "LTMP's time over the baselines', round by round (median, quartiles): " + "; ".join(vs) + "."]
         t = m["train"]
         mem = t["saved_bytes"]
-        lines += ["", f"Train-mode forward + backward at batch {t['batch']} (backbone frozen, input requires grad): "
-                      f"timm {t['timm_ms']:.1f} ms, patched LTMP {t['ltmp_ms']:.1f} ms, ratio **{t['ratio']:.3f}**. "
-                      f"Saved for backward: timm {mem['timm']['attention'] / 2**20:.1f} MiB token x token matrices + "
-                      f"{mem['timm']['other'] / 2**20:.1f} MiB other; LTMP "
-                      f"{mem['ltmp-train']['attention'] / 2**20:.1f} + {mem['ltmp-train']['other'] / 2**20:.1f} MiB "
-                      f"(B x T x C x L at this batch: {t['btc_bytes_all_blocks'] / 2**20:.1f} MiB).", ""]
+        lines += [
+            "",
+            f"Train-mode forward + backward at batch {t['batch']} (backbone frozen, input requires grad): "
+            f"timm {t['timm_ms']:.1f} ms, patched LTMP {t['ltmp_ms']:.1f} ms, ratio **{t['ratio']:.3f}**. "
+            f"Saved for backward: timm {mem['timm']['attention'] / 2**20:.1f} MiB token x token matrices + "
+            f"{mem['timm']['other'] / 2**20:.1f} MiB other; LTMP "
+            f"{mem['ltmp-train']['attention'] / 2**20:.1f} + {mem['ltmp-train']['other'] / 2**20:.1f} MiB "
+            f"(B x T x C x L at this batch: {t['btc_bytes_all_blocks'] / 2**20:.1f} MiB).",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -277,8 +327,11 @@ def main() -> int:
     p.add_argument("--threads", type=int)
     p.add_argument("--device", default="auto")
     p.add_argument("--amp", action="store_true", help="run everything under bf16 autocast (as GPU users deploy)")
-    p.add_argument("--compile", action="store_true",
-                   help="time every model under torch.compile (ratios to the compiled dense model; no bound row)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="time every model under torch.compile (ratios to the compiled dense model; no bound row)",
+    )
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     p.add_argument("--json", default=str(ROOT / "results" / "speed.json"))
     p.add_argument("--out", help="write the markdown tables here (e.g. docs/speed.md)")
@@ -294,11 +347,19 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     name = device_name(device)
-    result = {"command": "python benchmarks/speed.py " + " ".join(sys.argv[1:]), "singles": args.singles,
-              "env": {"device": str(device), "device_name": name, "threads": torch.get_num_threads(),
-                      "torch": torch.__version__, "timm": timm.__version__,
-                      "cifar_model": cifar_model_name()},
-              "models": []}
+    result = {
+        "command": "python benchmarks/speed.py " + " ".join(sys.argv[1:]),
+        "singles": args.singles,
+        "env": {
+            "device": str(device),
+            "device_name": name,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "timm": timm.__version__,
+            "cifar_model": cifar_model_name(),
+        },
+        "models": [],
+    }
     result["env"]["amp"] = "bf16" if args.amp else ""
     result["env"]["compiled"] = args.compile
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):

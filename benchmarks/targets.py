@@ -16,6 +16,7 @@ starting new rows after ``--budget`` seconds, so a GPU lent for minutes returns 
     python benchmarks/targets.py --device cpu --models deit-s --settings fp32:32 --modes eager   # the CPU target
     python benchmarks/targets.py --quick                                                         # a smoke run
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,12 @@ def row_for(name: str, dense, red, setting: str, mode: str, args, device) -> dic
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
         g = mean_gmacs(red, x)
         rec = ltmp.stats(red)
-        models = {"dense": dense, "ltmp": red, "tome": at_gmacs(dense, "tome", g),
-                  "topk-prune": at_gmacs(dense, "topk-prune", g)}
+        models = {
+            "dense": dense,
+            "ltmp": red,
+            "tome": at_gmacs(dense, "tome", g),
+            "topk-prune": at_gmacs(dense, "topk-prune", g),
+        }
         models["tome"].to(device), models["topk-prune"].to(device)
         if args.tome_ref:
             models["tome-ref"] = reference_tome(dense, args.tome_ref, models["tome"].ltmp_config.rate).to(device)
@@ -55,28 +60,38 @@ def row_for(name: str, dense, red, setting: str, mode: str, args, device) -> dic
         t0 = time.perf_counter()
         timed = compare_models(models, x, warmup=args.warmup, reps=args.reps, rounds=args.rounds)
     ratios = {k: paired_ratio(timed, k, "dense") for k in models if k != "dense"}
-    return {"model": name, "setting": setting, "mode": mode, "batch": int(batch),
-            "dense_ms": 1000 * timed["dense"]["median"], "seconds": time.perf_counter() - t0,
-            "gmacs_ratio": {k: v / ltmp.dense_gmacs(spec) for k, v in gmacs.items()},
-            # every layer at the batch's padded length: an upper bound (token-wise layers run packed)
-            "executed_gmacs_ratio": ltmp.gmacs_executed(spec, rec.padded) / ltmp.dense_gmacs(spec),
-            "time_ratio": {k: v["median"] for k, v in ratios.items()},
-            "time_ratio_iqr": {k: [v["p25"], v["p75"]] for k, v in ratios.items()}}
+    return {
+        "model": name,
+        "setting": setting,
+        "mode": mode,
+        "batch": int(batch),
+        "dense_ms": 1000 * timed["dense"]["median"],
+        "seconds": time.perf_counter() - t0,
+        "gmacs_ratio": {k: v / ltmp.dense_gmacs(spec) for k, v in gmacs.items()},
+        # every layer at the batch's padded length: an upper bound (token-wise layers run packed)
+        "executed_gmacs_ratio": ltmp.gmacs_executed(spec, rec.padded) / ltmp.dense_gmacs(spec),
+        "time_ratio": {k: v["median"] for k, v in ratios.items()},
+        "time_ratio_iqr": {k: [v["p25"], v["p75"]] for k, v in ratios.items()},
+    }
 
 
 def verdict(row: dict) -> str:
     t = row["time_ratio"]
     tome_target = 0.55 if (row["model"] == "vit-b" and row["setting"].startswith("bf16")) else TARGETS["tome"]
-    parts = [f"ToMe {t['tome']:.3f} (<= {tome_target}: {'met' if t['tome'] <= tome_target else 'missed'})",
-             f"LTMP {t['ltmp']:.3f} (<= {TARGETS['ltmp']}: {'met' if t['ltmp'] <= TARGETS['ltmp'] else 'missed'})",
-             f"top-k {t['topk-prune']:.3f} (within 0.05 of ToMe: "
-             f"{'met' if abs(t['topk-prune'] - t['tome']) <= 0.05 else 'missed'})"]
+    parts = [
+        f"ToMe {t['tome']:.3f} (<= {tome_target}: {'met' if t['tome'] <= tome_target else 'missed'})",
+        f"LTMP {t['ltmp']:.3f} (<= {TARGETS['ltmp']}: {'met' if t['ltmp'] <= TARGETS['ltmp'] else 'missed'})",
+        f"top-k {t['topk-prune']:.3f} (within 0.05 of ToMe: "
+        f"{'met' if abs(t['topk-prune'] - t['tome']) <= 0.05 else 'missed'})",
+    ]
     if "tome-ref" in t:
         parts.append(f"reference ToMe {t['tome-ref']:.3f}")
     if row.get("device") == "cpu" and row["model"] == "deit-s" and row["setting"] == "fp32:32":
         lo, hi = row["time_ratio_iqr"]["ltmp"]
-        parts.append(f"CPU target LTMP >= 1.8x throughput: {1 / t['ltmp']:.2f}x "
-                     f"(quartiles {1 / hi:.2f}-{1 / lo:.2f}x), {'met' if t['ltmp'] <= 1 / 1.8 else 'missed'}")
+        parts.append(
+            f"CPU target LTMP >= 1.8x throughput: {1 / t['ltmp']:.2f}x "
+            f"(quartiles {1 / hi:.2f}-{1 / lo:.2f}x), {'met' if t['ltmp'] <= 1 / 1.8 else 'missed'}"
+        )
     return "; ".join(parts)
 
 
@@ -99,8 +114,11 @@ def main() -> int:
     device = pick_device(args.device)
     start = time.monotonic()
     name = device_name(device)
-    out = {"command": "python benchmarks/targets.py " + " ".join(sys.argv[1:]),
-           "env": {"device_name": name, "torch": torch.__version__, "timm": timm.__version__}, "rows": []}
+    out = {
+        "command": "python benchmarks/targets.py " + " ".join(sys.argv[1:]),
+        "env": {"device_name": name, "torch": torch.__version__, "timm": timm.__version__},
+        "rows": [],
+    }
     print(f"{name}, torch {torch.__version__}, timm {timm.__version__}")
     # most important first: eager before compiled, then settings and shapes in the order given
     for mode in args.modes.split(","):
@@ -118,9 +136,12 @@ def main() -> int:
                 row["r_calibrated"], row["device"] = r, device.type
                 out["rows"].append(row)
                 atomic_write(args.json, lambda tmp: Path(tmp).write_text(json.dumps(out, indent=1)))
-                print(f"{model_name} {setting} {mode}: dense {row['dense_ms']:.1f} ms; LTMP GMACs ratio "
-                      f"{row['gmacs_ratio']['ltmp']:.3f} (at padded length {row['executed_gmacs_ratio']:.3f}); "
-                      + verdict(row), flush=True)
+                print(
+                    f"{model_name} {setting} {mode}: dense {row['dense_ms']:.1f} ms; LTMP GMACs ratio "
+                    f"{row['gmacs_ratio']['ltmp']:.3f} (at padded length {row['executed_gmacs_ratio']:.3f}); "
+                    + verdict(row),
+                    flush=True,
+                )
     print(f"wrote {args.json} ({time.monotonic() - start:.0f} s)")
     return 0
 

@@ -31,6 +31,7 @@ prints the tables from it alone, without the runs:
 
     python benchmarks/training_study.py forms optimizer procedure beyond --render --test
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,6 +62,7 @@ def record(folder: Path, name: str) -> dict | str | None:
         value = KEPT[key] = compact(json.loads((folder / name).read_text()))
     return dict(value, correct=unpack(value["correct"])) if isinstance(value, dict) else value
 
+
 STEPS = 100
 #: The points of ``ltmp train --recipe paper`` (``ltmp.config.RECIPES["paper"]``): the command-line flags that set
 #: each, the methods it applies to, where the reference code (github Mxbonn/ltmp at REFERENCE_COMMIT) does it, our
@@ -69,47 +71,97 @@ STEPS = 100
 REFERENCE_COMMIT = "1a9c055"
 PAPER_POINTS: dict[str, dict] = {
     "optimizer and learning rates": dict(
-        flags=["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6"], methods=("ltmp", "ltp"),
+        flags=["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6"],
+        methods=("ltmp", "ltp"),
         where="tools/train.py:193, 205 (SGD, momentum 0), 697-733 (prune, merge groups); README: --lr 5e-6 5e-3",
         ours="SGD (ltp: Adam 2e-3 / 2e-4); merge 5e-3 x 9809 / steps, prune in units of the scores' spread",
         why="fixed rates set for 9,809 ImageNet steps move the thresholds 28x less in a CIFAR epoch, and the "
-            "ratio 1,000 is not this model's ratio of squared spreads (60)"),
+        "ratio 1,000 is not this model's ratio of squared spreads (60)",
+    ),
     "merge init": dict(
-        flags=["--merge-init", "0.9"], methods=("ltmp",), where="ltmp/timm/lt_mergeprune.py:51", ours="1.0",
-        why="training starts from no reduction; with the product of masks a merge threshold at 1 still learns"),
+        flags=["--merge-init", "0.9"],
+        methods=("ltmp",),
+        where="ltmp/timm/lt_mergeprune.py:51",
+        ours="1.0",
+        why="training starts from no reduction; with the product of masks a merge threshold at 1 still learns",
+    ),
     "label smoothing": dict(
-        flags=["--label-smoothing", "0.1"], methods=("ltmp", "ltp"), where="tools/train.py:411, 937-941 (timm)",
-        ours="0", why="the paper's loss is cross-entropy (eq. 15)"),
+        flags=["--label-smoothing", "0.1"],
+        methods=("ltmp", "ltp"),
+        where="tools/train.py:411, 937-941 (timm)",
+        ours="0",
+        why="the paper's loss is cross-entropy (eq. 15)",
+    ),
     "mask gradient": dict(
-        flags=["--mask-grad", "eps"], methods=("ltmp", "ltp"), where="ltmp/timm/threshold_masking.py:23-33",
-        ours="secant", why="bounded by 1 where the eps form is bounded by 1e5 (attention sinks)"),
+        flags=["--mask-grad", "eps"],
+        methods=("ltmp", "ltp"),
+        where="ltmp/timm/threshold_masking.py:23-33",
+        ours="secant",
+        why="bounded by 1 where the eps form is bounded by 1e5 (attention sinks)",
+    ),
     "merged averages": dict(
-        flags=["--merge-grad", "mask"], methods=("ltmp",), where="ltmp/timm/lt_mergeprune.py:79-80 (detached)",
-        ours="average", why="the merge mask weighs the merged averages, so they teach the merge threshold too"),
+        flags=["--merge-grad", "mask"],
+        methods=("ltmp",),
+        where="ltmp/timm/lt_mergeprune.py:79-80 (detached)",
+        ours="average",
+        why="the merge mask weighs the merged averages, so they teach the merge threshold too",
+    ),
     "two modules": dict(
-        flags=["--combine", "overwrite"], methods=("ltmp",), where="ltmp/timm/lt_mergeprune.py:98-99",
-        ours="product", why="the overwrite drops the merge gradient of every unmerged set-A token"),
+        flags=["--combine", "overwrite"],
+        methods=("ltmp",),
+        where="ltmp/timm/lt_mergeprune.py:98-99",
+        ours="product",
+        why="the overwrite drops the merge gradient of every unmerged set-A token",
+    ),
     "importance rows": dict(
-        flags=["--importance-rows", "all"], methods=("ltmp", "ltp"), where="ltmp/timm/lt_mergeprune.py:128",
-        ours="surviving rows", why="eval has only the survivors: the preset's train and eval then differ"),
+        flags=["--importance-rows", "all"],
+        methods=("ltmp", "ltp"),
+        where="ltmp/timm/lt_mergeprune.py:128",
+        ours="surviving rows",
+        why="eval has only the survivors: the preset's train and eval then differ",
+    ),
     "token order": dict(
-        flags=["--train-order", "reference"], methods=("ltmp",), where="ltmp/timm/lt_mergeprune.py:61-64, 91-96",
-        ours="positions, A/B over survivors", why="as eval: the preset's train and eval then differ"),
+        flags=["--train-order", "reference"],
+        methods=("ltmp",),
+        where="ltmp/timm/lt_mergeprune.py:61-64, 91-96",
+        ours="positions, A/B over survivors",
+        why="as eval: the preset's train and eval then differ",
+    ),
     "budget tokens": dict(
-        flags=["--budget-tokens", "all"], methods=("ltmp", "ltp"), where="tools/train.py:1143-1148",
-        ours="patch tokens", why="the paper's footnote leaves the class token out of n"),
+        flags=["--budget-tokens", "all"],
+        methods=("ltmp", "ltp"),
+        where="tools/train.py:1143-1148",
+        ours="patch tokens",
+        why="the paper's footnote leaves the class token out of n",
+    ),
     "budget pool": dict(
-        flags=["--budget-pool", "batch"], methods=("ltmp", "ltp"), where="tools/train.py:1144",
-        ours="per image", why="eq. 13 is per image; its attention term is quadratic in the kept fraction"),
+        flags=["--budget-pool", "batch"],
+        methods=("ltmp", "ltp"),
+        where="tools/train.py:1144",
+        ours="per image",
+        why="eq. 13 is per image; its attention term is quadratic in the kept fraction",
+    ),
     "threshold range": dict(
-        flags=["--clamp", "unit"], methods=("ltmp",), where="tools/train.py:1171-1175", ours="merge [-1, 1]",
-        why="cosine similarities can be negative"),
+        flags=["--clamp", "unit"],
+        methods=("ltmp",),
+        where="tools/train.py:1171-1175",
+        ours="merge [-1, 1]",
+        why="cosine similarities can be negative",
+    ),
     "augmentation": dict(
-        flags=["--augment", "timm-random"], methods=("ltmp", "ltp"), where="tools/train.py:336-348, 415",
-        ours="timm's, model's interpolation", why="the model's own data config"),
+        flags=["--augment", "timm-random"],
+        methods=("ltmp", "ltp"),
+        where="tools/train.py:336-348, 415",
+        ours="timm's, model's interpolation",
+        why="the model's own data config",
+    ),
     "settle": dict(
-        flags=["--no-settle"], methods=("ltmp", "ltp"), where="none", ours="on",
-        why="thresholds trained on augmented images miss the budget on clean ones"),
+        flags=["--no-settle"],
+        methods=("ltmp", "ltp"),
+        where="none",
+        ours="on",
+        why="thresholds trained on augmented images miss the budget on clean ones",
+    ),
 }
 PAPER = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's
 RECIPE = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "3e-4", "--merge-init", "1.0"]  # reproduce.py
@@ -129,72 +181,129 @@ def recipe_variants(method: str) -> dict[str, list[str]]:
 
 
 STUDIES: dict[str, tuple[tuple[float, ...], dict[str, list[str]]]] = {
-    "forms": ((0.7, 0.5), {
-        "eps-mask-paper": ["--mask-grad", "eps", "--merge-grad", "mask", *PAPER],  # the reference code's signal
-        "clamp-paper": ["--mask-grad", "clamp", *PAPER],
-        "eps-mask-recipe": ["--mask-grad", "eps", "--merge-grad", "mask", *RECIPE],
-        "clamp-recipe": ["--mask-grad", "clamp", *RECIPE],
-        "secant-recipe": ["--mask-grad", "secant", *RECIPE],
-    }),
-    "optimizer": ((0.7,), {
-        "secant-adam": ["--mask-grad", "secant", *ADAM],
-        "secant-adam-constraint": ["--mask-grad", "secant", *ADAM, "--budget", "constraint"],
-    }),
-    "procedure": ((0.85, 0.75, 0.65, 0.55, 0.45, 0.7, 0.5), {
-        "secant-paper": ["--mask-grad", "secant", *PAPER],
-        "secant-adam": ["--mask-grad", "secant", *ADAM],
-    }),
-    "beyond": ((0.7, 0.5), {  # point 4 of #16, against secant-adam of "procedure"
-        "secant-adam-distill": ["--mask-grad", "secant", *ADAM, "--distill", "1"],
-        "secant-adam-calibrate": ["--mask-grad", "secant", *ADAM, "--calibrate"],
-    }),
-    "allocation": ((0.5,), {  # issue #36: which procedure lets the task loss decide where to reduce
-        f"{method}-{name}": ["--method", method, *extra]
-        for method in ("ltp", "ltmp")
-        for name, extra in {
-            "adam-penalty": ["--optimizer", "adam", "--budget", "penalty"],  # the defaults before #36
-            # the paper's SGD with its learning rates scaled from ~10,000 ImageNet steps to our 351
-            "sgd-penalty": ["--optimizer", "sgd", "--lr-merge", "0.14", "--lr-prune", "1.4e-4", "--merge-init", "1.0"],
-            "group-penalty": ["--optimizer", "group", "--budget", "penalty"],
-            "adam-projected": ["--optimizer", "adam", "--budget", "projected"],
-            "group-projected": ["--optimizer", "group", "--budget", "projected"],
-        }.items()
-    }),
-    "spread": ((0.5,), {  # SGD whose prune thresholds step in units of their scores' spread, against the
-        # defaults before it: for LTMP SGD at the paper's ratio of learning rates, for LTP Adam
-        f"{method}-{name}-s{seed}": ["--method", method, "--seed", str(seed), *extra]
-        for seed in range(3)
-        for method, name, extra in (
-            ("ltmp", "spread", []),  # SGD, lr_prune = lr_merge (spread_prune / spread_merge)^2
-            ("ltmp", "paper-ratio", ["--lr-prune", "1.3978e-4"]),  # the paper's 5e-6 scaled to 351 steps
-            ("ltp", "spread", ["--optimizer", "sgd"]),
-            ("ltp", "adam", ["--optimizer", "adam"]),
-        )
-    }),
-    "recipe": ((0.5,), {  # issue #52: the paper's recipe, and each of its points switched to the default
-        f"{method}-{name}": ["--method", method, *flags]
-        for method in ("ltmp", "ltp")
-        for name, flags in recipe_variants(method).items()
-    }),
+    "forms": (
+        (0.7, 0.5),
+        {
+            "eps-mask-paper": ["--mask-grad", "eps", "--merge-grad", "mask", *PAPER],  # the reference code's signal
+            "clamp-paper": ["--mask-grad", "clamp", *PAPER],
+            "eps-mask-recipe": ["--mask-grad", "eps", "--merge-grad", "mask", *RECIPE],
+            "clamp-recipe": ["--mask-grad", "clamp", *RECIPE],
+            "secant-recipe": ["--mask-grad", "secant", *RECIPE],
+        },
+    ),
+    "optimizer": (
+        (0.7,),
+        {
+            "secant-adam": ["--mask-grad", "secant", *ADAM],
+            "secant-adam-constraint": ["--mask-grad", "secant", *ADAM, "--budget", "constraint"],
+        },
+    ),
+    "procedure": (
+        (0.85, 0.75, 0.65, 0.55, 0.45, 0.7, 0.5),
+        {
+            "secant-paper": ["--mask-grad", "secant", *PAPER],
+            "secant-adam": ["--mask-grad", "secant", *ADAM],
+        },
+    ),
+    "beyond": (
+        (0.7, 0.5),
+        {  # point 4 of #16, against secant-adam of "procedure"
+            "secant-adam-distill": ["--mask-grad", "secant", *ADAM, "--distill", "1"],
+            "secant-adam-calibrate": ["--mask-grad", "secant", *ADAM, "--calibrate"],
+        },
+    ),
+    "allocation": (
+        (0.5,),
+        {  # issue #36: which procedure lets the task loss decide where to reduce
+            f"{method}-{name}": ["--method", method, *extra]
+            for method in ("ltp", "ltmp")
+            for name, extra in {
+                "adam-penalty": ["--optimizer", "adam", "--budget", "penalty"],  # the defaults before #36
+                # the paper's SGD with its learning rates scaled from ~10,000 ImageNet steps to our 351
+                "sgd-penalty": [
+                    "--optimizer",
+                    "sgd",
+                    "--lr-merge",
+                    "0.14",
+                    "--lr-prune",
+                    "1.4e-4",
+                    "--merge-init",
+                    "1.0",
+                ],
+                "group-penalty": ["--optimizer", "group", "--budget", "penalty"],
+                "adam-projected": ["--optimizer", "adam", "--budget", "projected"],
+                "group-projected": ["--optimizer", "group", "--budget", "projected"],
+            }.items()
+        },
+    ),
+    "spread": (
+        (0.5,),
+        {  # SGD whose prune thresholds step in units of their scores' spread, against the
+            # defaults before it: for LTMP SGD at the paper's ratio of learning rates, for LTP Adam
+            f"{method}-{name}-s{seed}": ["--method", method, "--seed", str(seed), *extra]
+            for seed in range(3)
+            for method, name, extra in (
+                ("ltmp", "spread", []),  # SGD, lr_prune = lr_merge (spread_prune / spread_merge)^2
+                ("ltmp", "paper-ratio", ["--lr-prune", "1.3978e-4"]),  # the paper's 5e-6 scaled to 351 steps
+                ("ltp", "spread", ["--optimizer", "sgd"]),
+                ("ltp", "adam", ["--optimizer", "adam"]),
+            )
+        },
+    ),
+    "recipe": (
+        (0.5,),
+        {  # issue #52: the paper's recipe, and each of its points switched to the default
+            f"{method}-{name}": ["--method", method, *flags]
+            for method in ("ltmp", "ltp")
+            for name, flags in recipe_variants(method).items()
+        },
+    ),
 }
 
 #: How each study trains (besides its variants' flags). The studies of #16 measured training alone for 100 steps
 #: on 1,000 held-out images; "allocation" runs the whole default procedure (one epoch, settled on clean held-out
 #: images) and holds out 5,000 images, so that differences of about 1.5 points are resolved.
-SETTINGS = {"allocation": ["--holdout", "0.1", "--augment", "light", "--checkpoint-every", "25"],
-            "spread": ["--holdout", "0.1", "--checkpoint-every", "25"],  # ltmp train's defaults otherwise
-            "recipe": ["--holdout", "0.1", "--checkpoint-every", "25"]}
+SETTINGS = {
+    "allocation": ["--holdout", "0.1", "--augment", "light", "--checkpoint-every", "25"],
+    "spread": ["--holdout", "0.1", "--checkpoint-every", "25"],  # ltmp train's defaults otherwise
+    "recipe": ["--holdout", "0.1", "--checkpoint-every", "25"],
+}
 #: studies evaluated beside their fixed-rate counterparts (and a shared threshold) on 5,000 held-out images
 HELDOUT = ("allocation", "spread", "recipe")
-DEFAULT_SETTINGS = ["--steps", str(STEPS), "--augment", "light", "--holdout", "0.02", "--checkpoint-every", "10",
-                    "--no-settle"]  # training alone, as measured
+DEFAULT_SETTINGS = [
+    "--steps",
+    str(STEPS),
+    "--augment",
+    "light",
+    "--holdout",
+    "0.02",
+    "--checkpoint-every",
+    "10",
+    "--no-settle",
+]  # training alone, as measured
 
 
 def train(folder: Path, target: float, extra: list[str], settings: list[str]) -> None:
     if (folder / "eval.json").exists() or (folder / "stopped.txt").exists():
         return
-    cmd = [sys.executable, "-m", "ltmp", "--quiet", "train", "--model", MODEL, "--pretrained", "--data-dir", DATA,
-           "--output", str(folder), "--r-target", str(target), *settings, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ltmp",
+        "--quiet",
+        "train",
+        "--model",
+        MODEL,
+        "--pretrained",
+        "--data-dir",
+        DATA,
+        "--output",
+        str(folder),
+        "--r-target",
+        str(target),
+        *settings,
+        *extra,
+    ]
     if (folder / "checkpoint.safetensors").exists():
         cmd.append("--resume")
     print(" ".join(cmd), flush=True)
@@ -214,8 +323,10 @@ def row(name: str, target: float, folder: Path) -> str | None:
     merged = sum(layer["merged"] for layer in ev["per_layer"])
     pruned = sum(layer["pruned"] for layer in ev["per_layer"])
     early = sum(layer["merged"] + layer["pruned"] for layer in ev["per_layer"][:4])
-    return (f"| {name} | {target} | {ev['r_flops']:.3f} ({ev['r_flops'] - target:+.3f}) | {ev['top1']:.2f} | "
-            f"{merged:.1f} / {pruned:.1f} | {early / (merged + pruned):.0%} |")
+    return (
+        f"| {name} | {target} | {ev['r_flops']:.3f} ({ev['r_flops'] - target:+.3f}) | {ev['top1']:.2f} | "
+        f"{merged:.1f} / {pruned:.1f} | {early / (merged + pruned):.0%} |"
+    )
 
 
 #: studies whose variants are compared, image by image on the same held-out images, with a baseline variant
@@ -240,14 +351,32 @@ def test_once(runs: Path, study: str) -> str:
 
     targets, variants = STUDIES[study]
     base = BASELINE[study]
-    lines = [f"### {study}: test set (10,000 images)", "", f"| variant | r_target | test r_FLOPs | test top-1 | "
-             f"top-1 - {base} (p) |", "|---|---|---|---|---|"]
+    lines = [
+        f"### {study}: test set (10,000 images)",
+        "",
+        f"| variant | r_target | test r_FLOPs | test top-1 | top-1 - {base} (p) |",
+        "|---|---|---|---|---|",
+    ]
     for target in targets:
         for name in (base, *variants):
             folder = runs / f"{name}-r{target}"
             if SAVED is None and (folder / "thresholds.safetensors").exists() and not (folder / "test.json").exists():
-                run(["eval", "--model", MODEL, "--pretrained", "--data-dir", DATA, "--val-split", "test",
-                     "--thresholds", str(folder / "thresholds.safetensors"), "--json", str(folder / "test.json")])
+                run(
+                    [
+                        "eval",
+                        "--model",
+                        MODEL,
+                        "--pretrained",
+                        "--data-dir",
+                        DATA,
+                        "--val-split",
+                        "test",
+                        "--thresholds",
+                        str(folder / "thresholds.safetensors"),
+                        "--json",
+                        str(folder / "test.json"),
+                    ]
+                )
             ev = record(folder, "test.json")
             if ev is None:
                 continue
@@ -259,9 +388,13 @@ def test_once(runs: Path, study: str) -> str:
 def table(runs: Path, study: str) -> str:
     targets, variants = STUDIES[study]
     base = BASELINE.get(study)
-    lines = [f"### {study}", "", "| variant | r_target | held-out r_FLOPs (miss) | held-out top-1 | merged / pruned "
-             "per image | share in blocks 1-4 |" + (f" top-1 - {base} (p) |" if base else ""),
-             "|---|---|---|---|---|---|" + ("---|" if base else "")]
+    lines = [
+        f"### {study}",
+        "",
+        "| variant | r_target | held-out r_FLOPs (miss) | held-out top-1 | merged / pruned "
+        "per image | share in blocks 1-4 |" + (f" top-1 - {base} (p) |" if base else ""),
+        "|---|---|---|---|---|---|" + ("---|" if base else ""),
+    ]
     for name in variants:
         for target in targets:
             line = row(name, target, runs / f"{name}-r{target}")
@@ -329,9 +462,14 @@ def allocation_table(runs: Path, study: str = "allocation") -> str:
     from ltmp.significance import mcnemar
 
     targets, variants = STUDIES[study]
-    lines = [f"### {study}", "", "| variant | r_target | held-out r_FLOPs | GMACs ratio | held-out top-1 | merged / "
-             "pruned per image | reallocated vs shared | - fixed rate, even (p) | - fixed rate, own schedule (p) | "
-             "- shared threshold (p) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {study}",
+        "",
+        "| variant | r_target | held-out r_FLOPs | GMACs ratio | held-out top-1 | merged / "
+        "pruned per image | reallocated vs shared | - fixed rate, even (p) | - fixed rate, own schedule (p) | "
+        "- shared threshold (p) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for target in targets:
         for name in variants:
             folder = runs / f"{name}-r{target}"
@@ -346,13 +484,19 @@ def allocation_table(runs: Path, study: str = "allocation") -> str:
             cells = []
             for other in ("heldout-even.json", "heldout-schedule.json", "heldout-shared.json"):
                 b = record(folder, other)
-                cells.append("-" if b is None else f"{ev['top1'] - b['top1']:+.2f} ({b['top1']:.2f}, "
-                             f"p={mcnemar(ev['correct'], b['correct'])['p_value']:.2g})")
+                cells.append(
+                    "-"
+                    if b is None
+                    else f"{ev['top1'] - b['top1']:+.2f} ({b['top1']:.2f}, "
+                    f"p={mcnemar(ev['correct'], b['correct'])['p_value']:.2g})"
+                )
             merged = sum(layer["merged"] for layer in ev["per_layer"])
             pruned = sum(layer["pruned"] for layer in ev["per_layer"])
             realloc = "-" if alloc is None else f"{100 * alloc['reallocated']:.0f}%"
-            lines.append(f"| {name} | {target} | {ev['r_flops']:.3f} | {ev['gmacs'] / ev['gmacs_dense']:.3f} | "
-                         f"{ev['top1']:.2f} | {merged:.1f} / {pruned:.1f} | {realloc} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {name} | {target} | {ev['r_flops']:.3f} | {ev['gmacs'] / ev['gmacs_dense']:.3f} | "
+                f"{ev['top1']:.2f} | {merged:.1f} / {pruned:.1f} | {realloc} | " + " | ".join(cells) + " |"
+            )
     return "\n".join(lines)
 
 
@@ -369,24 +513,36 @@ def spread_comparison(runs: Path) -> str:
         ev, base = record(folder, "eval.json"), record(folder, "heldout-even.json")
         if isinstance(ev, dict) and isinstance(base, dict):
             runs_of.setdefault(name.rsplit("-s", 1)[0], []).append((ev, base))
-    lines = ["| variant | seeds | held-out top-1 | r_FLOPs | merged / pruned per image | - fixed rate at own GMACs, "
-             "95% CI, p |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | seeds | held-out top-1 | r_FLOPs | merged / pruned per image | - fixed rate at own GMACs, "
+        "95% CI, p |",
+        "|---|---|---|---|---|---|",
+    ]
     terms = {}
     for variant, pairs in runs_of.items():
         terms[variant] = [(1.0, [e["correct"] for e, _ in pairs]), (-1.0, [b["correct"] for _, b in pairs])]
         t = image_test(terms[variant])
-        mean = {k: sum(f(e) for e, _ in pairs) / len(pairs) for k, f in (
-            ("top1", lambda e: e["top1"]), ("r", lambda e: e["r_flops"]),
-            ("merged", lambda e: sum(layer["merged"] for layer in e["per_layer"])),
-            ("pruned", lambda e: sum(layer["pruned"] for layer in e["per_layer"])))}
-        lines.append(f"| {variant} | {len(pairs)} | {mean['top1']:.2f} | {mean['r']:.3f} | {mean['merged']:.1f} / "
-                     f"{mean['pruned']:.1f} | {t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}), "
-                     f"p={t['p_value']:.2g} |")
+        mean = {
+            k: sum(f(e) for e, _ in pairs) / len(pairs)
+            for k, f in (
+                ("top1", lambda e: e["top1"]),
+                ("r", lambda e: e["r_flops"]),
+                ("merged", lambda e: sum(layer["merged"] for layer in e["per_layer"])),
+                ("pruned", lambda e: sum(layer["pruned"] for layer in e["per_layer"])),
+            )
+        }
+        lines.append(
+            f"| {variant} | {len(pairs)} | {mean['top1']:.2f} | {mean['r']:.3f} | {mean['merged']:.1f} / "
+            f"{mean['pruned']:.1f} | {t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}), "
+            f"p={t['p_value']:.2g} |"
+        )
     for a, b in (("ltmp-spread", "ltmp-paper-ratio"), ("ltp-spread", "ltp-adam")):
         if a in terms and b in terms:
             t = image_test(terms[a] + [(-w, c) for w, c in terms[b]])
-            lines.append(f"\n{a} - {b}, gaps over the fixed rate: {t['diff']:+.2f} points (95% CI {t['ci'][0]:+.2f} "
-                         f"to {t['ci'][1]:+.2f}), p = {t['p_value']:.2g}, {t['images']} held-out images as the unit")
+            lines.append(
+                f"\n{a} - {b}, gaps over the fixed rate: {t['diff']:+.2f} points (95% CI {t['ci'][0]:+.2f} "
+                f"to {t['ci'][1]:+.2f}), p = {t['p_value']:.2g}, {t['images']} held-out images as the unit"
+            )
     return "\n".join(lines)
 
 
@@ -400,8 +556,10 @@ def recipe_table(runs: Path) -> str:
     (target,), _ = STUDIES["recipe"]
 
     def gap(name: str) -> tuple[dict, list] | None:  # the run's record and its gap's image-test terms
-        ev, base = record(runs / f"{name}-r{target}", "eval.json"), record(runs / f"{name}-r{target}",
-                                                                             "heldout-even.json")
+        ev, base = (
+            record(runs / f"{name}-r{target}", "eval.json"),
+            record(runs / f"{name}-r{target}", "heldout-even.json"),
+        )
         if not (isinstance(ev, dict) and isinstance(base, dict)):
             return None
         return ev, [(1.0, [ev["correct"]]), (-1.0, [base["correct"]])]
@@ -425,17 +583,25 @@ def recipe_table(runs: Path) -> str:
                 tests.append((point, m, t, flip[0]))
     adjusted = holm([t["p_value"] for _, _, t, _ in tests])
     for (point, m, t, ev), p_holm in zip(tests, adjusted):
-        cells[point, m] = (f"{t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}), Holm p {p_holm:.2g}; "
-                           f"{run_cells(ev)}")
-    lines = [f"Paper's recipe, r_target {target} (held-out top-1, r_FLOPs, merged / pruned per image): "
-             + "; ".join(f"{m.upper()} " + ("pending" if presets[m] is None else run_cells(presets[m][0]))
-                         for m in ("ltmp", "ltp")), "",
-             f"| point | reference ({REFERENCE_COMMIT}) | default | why | LTMP: effect of the default (95% CI), "
-             "held-out top-1, r_FLOPs, merged / pruned | LTP: the same |", "|---|---|---|---|---|---|"]
+        cells[point, m] = (
+            f"{t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}), Holm p {p_holm:.2g}; {run_cells(ev)}"
+        )
+    lines = [
+        f"Paper's recipe, r_target {target} (held-out top-1, r_FLOPs, merged / pruned per image): "
+        + "; ".join(
+            f"{m.upper()} " + ("pending" if presets[m] is None else run_cells(presets[m][0])) for m in ("ltmp", "ltp")
+        ),
+        "",
+        f"| point | reference ({REFERENCE_COMMIT}) | default | why | LTMP: effect of the default (95% CI), "
+        "held-out top-1, r_FLOPs, merged / pruned | LTP: the same |",
+        "|---|---|---|---|---|---|",
+    ]
     for point, p in PAPER_POINTS.items():
         paper = " ".join(p["flags"])
-        lines.append(f"| {point} (`{paper}`) | {p['where']} | {p['ours']} | {p['why']} | {cells[point, 'ltmp']} | "
-                     f"{cells[point, 'ltp']} |")
+        lines.append(
+            f"| {point} (`{paper}`) | {p['where']} | {p['ours']} | {p['why']} | {cells[point, 'ltmp']} | "
+            f"{cells[point, 'ltp']} |"
+        )
     return "\n".join(lines)
 
 
@@ -445,8 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", default=str(ROOT / "runs" / "study"))
     ap.add_argument("--table", action="store_true", help="only print the tables of finished runs")
     ap.add_argument("--render", action="store_true", help=f"print the tables from {RAW.relative_to(ROOT)} alone")
-    ap.add_argument("--test", action="store_true", help="then evaluate the study's variants and baseline on the "
-                    "test set, once (studies with a baseline: " + ", ".join(BASELINE) + ")")
+    ap.add_argument(
+        "--test",
+        action="store_true",
+        help="then evaluate the study's variants and baseline on the "
+        "test set, once (studies with a baseline: " + ", ".join(BASELINE) + ")",
+    )
     args = ap.parse_args(argv)
     global SAVED
     saved = json.loads(RAW.read_text()) if RAW.exists() else {}
@@ -460,8 +630,11 @@ def main(argv: list[str] | None = None) -> int:
                 for name, extra in variants.items():
                     train(runs / f"{name}-r{target}", target, extra, SETTINGS.get(study, DEFAULT_SETTINGS))
                     if study in HELDOUT:
-                        heldout_baselines(runs / f"{name}-r{target}", extra[extra.index("--method") + 1],
-                                          ("even",) if study == "recipe" else ("even", "schedule", "shared"))
+                        heldout_baselines(
+                            runs / f"{name}-r{target}",
+                            extra[extra.index("--method") + 1],
+                            ("even",) if study == "recipe" else ("even", "schedule", "shared"),
+                        )
         if study == "recipe":
             print(recipe_table(runs) + "\n", flush=True)
         else:

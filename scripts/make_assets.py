@@ -7,6 +7,7 @@
 - cifar10-subset.tar.gz: 4,000 train images (400 per class) and 1,000 test images (100 per class) of the shared
   CIFAR-10 JPEG copy, in ImageFolder layout; picked with a fixed seed.
 """
+
 from __future__ import annotations
 
 import io
@@ -59,7 +60,8 @@ def subset() -> None:
         "# Bundled assets\n\nBuilt by `python scripts/make_assets.py` from ../shared.\n\n"
         "- `vit-cifar10/`: the CIFAR-10 ViT of ../shared/models/vit-cifar10 in fp16 (timm local-dir format).\n"
         f"- `cifar10-subset.tar.gz`: {PER_CLASS['train']} train and {PER_CLASS['test']} test images per class "
-        "of the shared CIFAR-10 JPEG copy (ImageFolder layout, seed 0).\n")
+        "of the shared CIFAR-10 JPEG copy (ImageFolder layout, seed 0).\n"
+    )
     print(json.dumps({p.name: p.stat().st_size for p in ASSETS.rglob("*") if p.is_file()}, indent=1))
 
 

@@ -15,6 +15,7 @@ with an image processor config, so that ``ltmp ... --model hf:DIR`` preprocesses
 Runs in float64 with ``--thresholds``, so that no score near a threshold flips a decision. Exits non-zero when any
 image's prediction (or kept-token count) differs between the two.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ def convert(model: nn.Module):
         why.append("no layer scale, no q/k norm")
     if not isinstance(model.fc_norm, nn.Identity) or not isinstance(model.norm_pre, nn.Identity):
         why.append("final norm before the head only")
-    if not isinstance(getattr(blk.attn, "norm", nn.Identity()), nn.Identity) \
-            or not isinstance(getattr(blk.mlp, "norm", nn.Identity()), nn.Identity):
+    if not isinstance(getattr(blk.attn, "norm", nn.Identity()), nn.Identity) or not isinstance(
+        getattr(blk.mlp, "norm", nn.Identity()), nn.Identity
+    ):
         why.append("no norms inside attention or MLP")
     if not isinstance(blk.mlp.act, nn.GELU) or getattr(blk.mlp.act, "approximate", "none") != "none":
         why.append("exact GELU")
@@ -47,29 +49,60 @@ def convert(model: nn.Module):
         why.append("biases on the projection and MLP layers")
     if len(set(model.patch_embed.img_size)) != 1:
         why.append("square images")
-    if not isinstance(model.patch_embed.norm, nn.Identity) or model.patch_embed.proj.bias is None \
-            or not isinstance(model.head, nn.Linear):
+    if (
+        not isinstance(model.patch_embed.norm, nn.Identity)
+        or model.patch_embed.proj.bias is None
+        or not isinstance(model.head, nn.Linear)
+    ):
         why.append("a patch embedding with bias and no norm, and a linear head")
     if why:
         raise SystemExit(f"timm_to_hf.py converts ViTs with {'; '.join(why)}; {type(model).__name__} differs")
     C, patch = model.embed_dim, model.patch_embed.patch_size[0]
-    cfg = ViTConfig(hidden_size=C, num_hidden_layers=len(model.blocks), num_attention_heads=blk.attn.num_heads,
-                    intermediate_size=blk.mlp.fc1.out_features, hidden_act="gelu", layer_norm_eps=blk.norm1.eps,
-                    image_size=model.patch_embed.img_size[0], patch_size=patch, num_channels=3,
-                    qkv_bias=blk.attn.qkv.bias is not None, num_labels=model.num_classes,
-                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = ViTConfig(
+        hidden_size=C,
+        num_hidden_layers=len(model.blocks),
+        num_attention_heads=blk.attn.num_heads,
+        intermediate_size=blk.mlp.fc1.out_features,
+        hidden_act="gelu",
+        layer_norm_eps=blk.norm1.eps,
+        image_size=model.patch_embed.img_size[0],
+        patch_size=patch,
+        num_channels=3,
+        qkv_bias=blk.attn.qkv.bias is not None,
+        num_labels=model.num_classes,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     hf = ViTForImageClassification(cfg).to(model.pos_embed.dtype).eval()
-    sd = {"vit.embeddings.cls_token": model.cls_token, "vit.embeddings.position_embeddings": model.pos_embed,
-          "vit.embeddings.patch_embeddings.projection.weight": model.patch_embed.proj.weight,
-          "vit.embeddings.patch_embeddings.projection.bias": model.patch_embed.proj.bias,
-          "vit.layernorm.weight": model.norm.weight, "vit.layernorm.bias": model.norm.bias,
-          "classifier.weight": model.head.weight, "classifier.bias": model.head.bias}
-    names = {"norm1": "layernorm_before", "q": "attention.q_proj", "k": "attention.k_proj", "v": "attention.v_proj",
-             "proj": "attention.o_proj", "norm2": "layernorm_after", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+    sd = {
+        "vit.embeddings.cls_token": model.cls_token,
+        "vit.embeddings.position_embeddings": model.pos_embed,
+        "vit.embeddings.patch_embeddings.projection.weight": model.patch_embed.proj.weight,
+        "vit.embeddings.patch_embeddings.projection.bias": model.patch_embed.proj.bias,
+        "vit.layernorm.weight": model.norm.weight,
+        "vit.layernorm.bias": model.norm.bias,
+        "classifier.weight": model.head.weight,
+        "classifier.bias": model.head.bias,
+    }
+    names = {
+        "norm1": "layernorm_before",
+        "q": "attention.q_proj",
+        "k": "attention.k_proj",
+        "v": "attention.v_proj",
+        "proj": "attention.o_proj",
+        "norm2": "layernorm_after",
+        "fc1": "mlp.fc1",
+        "fc2": "mlp.fc2",
+    }
     for i, b in enumerate(model.blocks):
         p = f"vit.layers.{i}."
-        for key, mod in (("norm1", b.norm1), ("proj", b.attn.proj), ("norm2", b.norm2), ("fc1", b.mlp.fc1),
-                         ("fc2", b.mlp.fc2)):
+        for key, mod in (
+            ("norm1", b.norm1),
+            ("proj", b.attn.proj),
+            ("norm2", b.norm2),
+            ("fc1", b.mlp.fc1),
+            ("fc2", b.mlp.fc2),
+        ):
             sd[p + names[key] + ".weight"], sd[p + names[key] + ".bias"] = mod.weight, mod.bias
         biases = b.attn.qkv.bias.chunk(3) if b.attn.qkv.bias is not None else (None,) * 3
         for key, w, bias in zip("qkv", b.attn.qkv.weight.chunk(3), biases):  # (C, C) each
@@ -93,13 +126,17 @@ def save(hf, timm_model, output: str) -> None:
     hf.save_pretrained(output)
     h, w = cfg["input_size"][1:]
     crop = float(cfg.get("crop_pct") or 1.0)
-    kw = dict(image_mean=list(cfg["mean"]), image_std=list(cfg["std"]),
-              resample=2 if cfg.get("interpolation") == "bilinear" else 3)
+    kw = dict(
+        image_mean=list(cfg["mean"]),
+        image_std=list(cfg["std"]),
+        resample=2 if cfg.get("interpolation") == "bilinear" else 3,
+    )
     if crop < 1.0:  # timm resizes to size / crop_pct, then crops the center
         from transformers import DeiTImageProcessor
 
-        DeiTImageProcessor(size={"height": round(h / crop), "width": round(w / crop)},
-                           crop_size={"height": h, "width": w}, **kw).save_pretrained(output)
+        DeiTImageProcessor(
+            size={"height": round(h / crop), "width": round(w / crop)}, crop_size={"height": h, "width": w}, **kw
+        ).save_pretrained(output)
     else:
         ViTImageProcessor(size={"height": h, "width": w}, **kw).save_pretrained(output)
 
@@ -119,8 +156,11 @@ def main() -> int:
     from ltmp.demo import BUNDLED_DATA, BUNDLED_MODEL
     from ltmp.runtime import create_model
 
-    timm_model = create_model(args.model or BUNDLED_MODEL, pretrained=args.checkpoint is None,
-                              checkpoint=args.checkpoint).float().eval()
+    timm_model = (
+        create_model(args.model or BUNDLED_MODEL, pretrained=args.checkpoint is None, checkpoint=args.checkpoint)
+        .float()
+        .eval()
+    )
     hf = convert(timm_model)
     save(hf, timm_model, args.output)
     ds = ldata.eval_set(timm_model, args.data_dir or BUNDLED_DATA, args.split, args.images)
@@ -147,10 +187,13 @@ def main() -> int:
             correct_hf += int((b.argmax(1) == y).sum())
             agree += int((a.argmax(1) == b.argmax(1)).sum())
             n += len(y)
-    what = f"with {args.thresholds} ({float(torch.cat(gmacs).mean()):.4f} GMACs), float64" if args.thresholds \
-        else "dense"
-    print(f"{n} images, {what}: top-1 timm {100 * correct_timm / n:.2f}%, transformers {100 * correct_hf / n:.2f}%, "
-          f"same prediction on {agree}; largest logit difference {diff:.2e}; wrote {args.output}")
+    what = (
+        f"with {args.thresholds} ({float(torch.cat(gmacs).mean()):.4f} GMACs), float64" if args.thresholds else "dense"
+    )
+    print(
+        f"{n} images, {what}: top-1 timm {100 * correct_timm / n:.2f}%, transformers {100 * correct_hf / n:.2f}%, "
+        f"same prediction on {agree}; largest logit difference {diff:.2e}; wrote {args.output}"
+    )
     if args.thresholds:
         print(f"same kept-token counts in every block on {same_kept} of {n} images")
     return 0 if agree == n and (not args.thresholds or same_kept == n) else 1

@@ -1,5 +1,6 @@
 """Where the thresholds reduce: the projected budget step, the shift that meets the budget, Adam per group, the
 allocation record, and fixed-rate schedules that follow a learned allocation (issue #36)."""
+
 from __future__ import annotations
 
 import copy
@@ -63,7 +64,7 @@ def test_group_adam_keeps_the_relative_size_of_gradients_within_a_group():
     opt = GroupAdam([a, b], lr=0.1)
     a.grad, b.grad = torch.tensor(1.0), torch.tensor(3.0)
     opt.step()
-    assert float(a) == pytest.approx(-0.1 / 5 ** 0.5) and float(b) == pytest.approx(-0.3 / 5 ** 0.5)
+    assert float(a) == pytest.approx(-0.1 / 5**0.5) and float(b) == pytest.approx(-0.3 / 5**0.5)
     a2, b2 = torch.nn.Parameter(torch.zeros(())), torch.nn.Parameter(torch.zeros(()))
     adam = torch.optim.Adam([a2, b2], lr=0.1)
     a2.grad, b2.grad = torch.tensor(1.0), torch.tensor(3.0)
@@ -114,17 +115,25 @@ def test_allocation_says_when_an_operation_of_the_method_removed_nothing():
     from ltmp.analysis import format_allocation
 
     x = images(6)
-    merge_only = allocation(ltmp.patch(make_model("cls", depth=3), "ltmp", merge_threshold=0.8,
-                                       prune_threshold=0.0).eval(), x, shared=False)
+    merge_only = allocation(
+        ltmp.patch(make_model("cls", depth=3), "ltmp", merge_threshold=0.8, prune_threshold=0.0).eval(), x, shared=False
+    )
     text = format_allocation(merge_only)
     assert text.splitlines()[-1] == "note: ltmp pruned no token in any block on these images: it ran as merging alone"
-    both = allocation(ltmp.patch(make_model("cls", depth=3), "ltmp", merge_threshold=0.8,
-                                 prune_threshold=0.02).eval(), x, shared=False)
+    both = allocation(
+        ltmp.patch(make_model("cls", depth=3), "ltmp", merge_threshold=0.8, prune_threshold=0.02).eval(),
+        x,
+        shared=False,
+    )
     assert sum(both["merged"]) > 0 and sum(both["pruned"]) > 0 and "note:" not in format_allocation(both)
-    prune_only = allocation(ltmp.patch(make_model("cls", depth=3), "ltpm", merge_threshold=1.5,
-                                       prune_threshold=0.02).eval(), x, shared=False)
-    assert format_allocation(prune_only).endswith("ltpm merged no token in any block on these images: it ran as "
-                                                  "pruning alone")
+    prune_only = allocation(
+        ltmp.patch(make_model("cls", depth=3), "ltpm", merge_threshold=1.5, prune_threshold=0.02).eval(),
+        x,
+        shared=False,
+    )
+    assert format_allocation(prune_only).endswith(
+        "ltpm merged no token in any block on these images: it ran as pruning alone"
+    )
 
 
 def test_rate_schedules_follow_a_shape_at_the_target_gmacs():
@@ -188,8 +197,13 @@ def redundant_last_block(tmp_path_factory):
         first.attn.qkv.weight[16:].zero_()
         first.attn.proj.weight.zero_()
         model.head.weight.mul_(20)
-    save_for_hf(model, str(root / "model"), model_args=SYNTH_ARGS, safe_serialization=True,
-                data_config=dict(input_size=(3, 16, 16), crop_pct=1.0, mean=(0.5,) * 3, std=(0.25,) * 3))
+    save_for_hf(
+        model,
+        str(root / "model"),
+        model_args=SYNTH_ARGS,
+        safe_serialization=True,
+        data_config=dict(input_size=(3, 16, 16), crop_pct=1.0, mean=(0.5,) * 3, std=(0.25,) * 3),
+    )
     g = torch.Generator().manual_seed(0)
     for c in range(4):
         folder = root / "data" / "train" / f"class{c}"
@@ -203,15 +217,32 @@ def redundant_last_block(tmp_path_factory):
 def pruned_after_training(model: str, data: str, out, **recipe) -> dict:
     from ltmp.train import TrainConfig, train
 
-    cfg = TrainConfig(model=model, pretrained=True, data_dir=data, output=str(out), r_target=0.85, method="ltp",
-                      batch_size=16, steps=150, workers=0, augment="none", eval_after=False, distill=1.0, **recipe)
+    cfg = TrainConfig(
+        model=model,
+        pretrained=True,
+        data_dir=data,
+        output=str(out),
+        r_target=0.85,
+        method="ltp",
+        batch_size=16,
+        steps=150,
+        workers=0,
+        augment="none",
+        eval_after=False,
+        distill=1.0,
+        **recipe,
+    )
     return train(cfg, progress=False)["allocation"]
 
 
-@pytest.mark.parametrize("recipe", [
-    dict(optimizer="sgd", lr_prune=3e-3),  # the default of the methods that merge; 1e-3 to 1e-2 all pass
-    dict(budget="projected", optimizer="group"),  # the budget met by a shift after each step
-], ids=["sgd", "projected"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        dict(optimizer="sgd", lr_prune=3e-3),  # the default of the methods that merge; 1e-3 to 1e-2 all pass
+        dict(budget="projected", optimizer="group"),  # the budget met by a shift after each step
+    ],
+    ids=["sgd", "projected"],
+)
 def test_training_prunes_the_redundant_block_more_than_a_shared_threshold(redundant_last_block, tmp_path, recipe):
     """The task loss (distillation from the unreduced model, so every change costs) says where to prune: training
     moves the pruning into block 2, where it is free, while a shared threshold at the same r_FLOPs prunes mostly in

@@ -1,5 +1,6 @@
 """Bad input, table-driven: every user mistake gets one line that names the fix (exit 2, no traceback), and every
 file that existed before is still there, byte for byte. Then a fuzz of every option of every command."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,6 @@ import ltmp.train
 from ltmp.cli import build_parser, main
 from ltmp.data import load_rgb
 from ltmp.thresholds import threshold_tensors
-from test_cli import tiny_data, tiny_model  # noqa: F401  (fixtures)
 
 
 def _damaged(src: Path, dst: Path, tau: str = "0.1", nan_block: int | None = None) -> None:
@@ -44,8 +44,18 @@ def ws(tiny_model, tiny_data, tmp_path, tmp_path_factory, monkeypatch):  # noqa:
     model = ltmp.patch(ltmp.runtime.create_model(tiny_model), "ltmp", merge_threshold=0.8, prune_threshold=0.01)
     ltmp.save_thresholds(model, tmp_path / "T.safetensors")
     run = tmp_path / "run"
-    cfg = resolve(TrainConfig(model=tiny_model, data_dir=str(tiny_data), output=str(run), r_target=0.6, batch_size=8,
-                              steps=4, checkpoint_every=2, workers=0))  # as train() saves it: defaults filled in
+    cfg = resolve(
+        TrainConfig(
+            model=tiny_model,
+            data_dir=str(tiny_data),
+            output=str(run),
+            r_target=0.6,
+            batch_size=8,
+            steps=4,
+            checkpoint_every=2,
+            workers=0,
+        )
+    )  # as train() saves it: defaults filled in
     save_checkpoint(model, run / "checkpoint.safetensors", 2, cfg)
     (run / "log.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     _damaged(tmp_path / "T.safetensors", tmp_path / "tau.safetensors", tau="abc")
@@ -55,8 +65,9 @@ def ws(tiny_model, tiny_data, tmp_path, tmp_path_factory, monkeypatch):  # noqa:
     (tmp_path / "random.pth").write_bytes(np.random.default_rng(0).bytes(300))
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "folder").mkdir()
-    (tmp_path / "bad.tar.gz").write_bytes((Path(ltmp.__file__).parent / "assets" / "cifar10-subset.tar.gz")
-                                          .read_bytes()[:3000])
+    (tmp_path / "bad.tar.gz").write_bytes(
+        (Path(ltmp.__file__).parent / "assets" / "cifar10-subset.tar.gz").read_bytes()[:3000]
+    )
     unreadable = tmp_path / "unreadable"
     for split in ("train", "val"):
         (unreadable / split / "c0").mkdir(parents=True)
@@ -64,8 +75,14 @@ def ws(tiny_model, tiny_data, tmp_path, tmp_path_factory, monkeypatch):  # noqa:
             (unreadable / split / "c0" / f"{i}.jpg").write_text("not an image")
     (tmp_path / "no-train" / "val").mkdir(parents=True)
     (tmp_path / "no-train" / "val" / "c0").symlink_to(tiny_data / "val" / "class0")
-    return {"model": tiny_model, "data": str(tiny_data), "tmp": str(tmp_path), "T": str(tmp_path / "T.safetensors"),
-            "run": str(run), "cache": str(cache)}
+    return {
+        "model": tiny_model,
+        "data": str(tiny_data),
+        "tmp": str(tmp_path),
+        "T": str(tmp_path / "T.safetensors"),
+        "run": str(run),
+        "cache": str(cache),
+    }
 
 
 def unwritable(tmp: str) -> str:
@@ -82,50 +99,97 @@ EVAL = "eval --model {model} --data-dir {data} --workers 0"
 TRAIN = "train --model {model} --data-dir {data} --r-target 0.6 --batch-size 8 --workers 0"
 #: (the issue's row, arguments, words the one line holds, True: refused before any model is built)
 ROWS = {
-    "1 eval --json onto its own --thresholds": (f"{EVAL} --thresholds {{T}} --json {{T}}",
-                                                "is also an input of this command", True),
-    "2 calibrate onto trained thresholds": ("calibrate --model {model} --data-dir {data} --r-target 0.5 "
-                                            "--output {T}", "exists; pass --overwrite to replace it", True),
-    "3 train rerun on an interrupted run": (f"{TRAIN} --output {{run}}",
-                                            "holds an interrupted run; resume it with --resume, or pass --overwrite",
-                                            True),
+    "1 eval --json onto its own --thresholds": (
+        f"{EVAL} --thresholds {{T}} --json {{T}}",
+        "is also an input of this command",
+        True,
+    ),
+    "2 calibrate onto trained thresholds": (
+        "calibrate --model {model} --data-dir {data} --r-target 0.5 --output {T}",
+        "exists; pass --overwrite to replace it",
+        True,
+    ),
+    "3 train rerun on an interrupted run": (
+        f"{TRAIN} --output {{run}}",
+        "holds an interrupted run; resume it with --resume, or pass --overwrite",
+        True,
+    ),
     "3 train --resume and --overwrite": (f"{TRAIN} --output {{run}} --resume --overwrite", "not both", True),
     "5 train --tau 0": (f"{TRAIN} --output {{tmp}}/new --tau 0", "argument --tau: must be > 0, got 0", True),
     "5 train --lr-merge -1": (f"{TRAIN} --output {{tmp}}/new --lr-merge -1", "--lr-merge: must be >= 0", True),
-    "5 eval NaN thresholds": (f"{EVAL} --thresholds {{tmp}}/nan.safetensors",
-                              "merge_threshold of block 2 is nan (not finite)", False),
+    "5 eval NaN thresholds": (
+        f"{EVAL} --thresholds {{tmp}}/nan.safetensors",
+        "merge_threshold of block 2 is nan (not finite)",
+        False,
+    ),
     "8 train --no-settle on unreadable images": (
         "train --model {model} --data-dir {tmp}/unreadable --r-target 0.6 --batch-size 2 --workers 0 --output "
-        "{tmp}/new --no-settle", "none of the 3 training images in", False),
-    "8 train on unreadable images": ("train --model {model} --data-dir {tmp}/unreadable --r-target 0.6 --batch-size "
-                                     "2 --workers 0 --output {tmp}/new", "none of the 3 training images in", False),
+        "{tmp}/new --no-settle",
+        "none of the 3 training images in",
+        False,
+    ),
+    "8 train on unreadable images": (
+        "train --model {model} --data-dir {tmp}/unreadable --r-target 0.6 --batch-size "
+        "2 --workers 0 --output {tmp}/new",
+        "none of the 3 training images in",
+        False,
+    ),
     "9 eval --batch-size 0": (f"{EVAL} --batch-size 0", "argument --batch-size: must be >= 1, got 0", True),
     "9 eval --batch-size -1": (f"{EVAL} --batch-size -1", "argument --batch-size: must be >= 1, got -1", True),
-    "9 calibrate --images 0": ("calibrate --model {model} --data-dir {data} --r-target 0.5 --images 0 --output "
-                               "{tmp}/c.safetensors", "argument --images: must be >= 1, got 0", True),
-    "9 train --checkpoint-every 0": (f"{TRAIN} --output {{tmp}}/new --checkpoint-every 0",
-                                     "argument --checkpoint-every: must be >= 1", True),
-    "9 thresholds with tau 'abc'": (f"{EVAL} --thresholds {{tmp}}/tau.safetensors",
-                                    "is damaged: its tau ('abc') is not what 'ltmp train' writes", False),
-    "9 --json in a folder it cannot write": (f"{EVAL} --method tome --r 2 --json {{unwritable}}/e.json",
-                                             "cannot be written: no new file in", True),
-    "9 --json under a file": (f"{EVAL} --method tome --r 2 --json {{tmp}}/a-file/e.json",
-                              "cannot be created: {tmp}/a-file is a file, not a folder", True),
-    "9 --json onto a folder": (f"{EVAL} --method tome --r 2 --json {{tmp}}/folder",
-                               "--json {tmp}/folder is a folder; pass a file name", True),
+    "9 calibrate --images 0": (
+        "calibrate --model {model} --data-dir {data} --r-target 0.5 --images 0 --output {tmp}/c.safetensors",
+        "argument --images: must be >= 1, got 0",
+        True,
+    ),
+    "9 train --checkpoint-every 0": (
+        f"{TRAIN} --output {{tmp}}/new --checkpoint-every 0",
+        "argument --checkpoint-every: must be >= 1",
+        True,
+    ),
+    "9 thresholds with tau 'abc'": (
+        f"{EVAL} --thresholds {{tmp}}/tau.safetensors",
+        "is damaged: its tau ('abc') is not what 'ltmp train' writes",
+        False,
+    ),
+    "9 --json in a folder it cannot write": (
+        f"{EVAL} --method tome --r 2 --json {{unwritable}}/e.json",
+        "cannot be written: no new file in",
+        True,
+    ),
+    "9 --json under a file": (
+        f"{EVAL} --method tome --r 2 --json {{tmp}}/a-file/e.json",
+        "cannot be created: {tmp}/a-file is a file, not a folder",
+        True,
+    ),
+    "9 --json onto a folder": (
+        f"{EVAL} --method tome --r 2 --json {{tmp}}/folder",
+        "--json {tmp}/folder is a folder; pass a file name",
+        True,
+    ),
     "9 train --output onto a file": (f"{TRAIN} --output {{tmp}}/a-file", "--output {tmp}/a-file is a file", True),
-    "11 checkpoint missing a key": (f"{EVAL} --checkpoint {{tmp}}/missing.pth",
-                                    'missing key "head.weight"', False),
-    "11 checkpoint of random bytes": (f"{EVAL} --checkpoint {{tmp}}/random.pth",
-                                      "not a state dict torch.load(weights_only=True) can read", False),
-    "11 hf: a missing folder": ("eval --model hf:{tmp}/no-model --data-dir {data}",
-                                "model folder {tmp}/no-model does not exist", False),
+    "11 checkpoint missing a key": (f"{EVAL} --checkpoint {{tmp}}/missing.pth", 'missing key "head.weight"', False),
+    "11 checkpoint of random bytes": (
+        f"{EVAL} --checkpoint {{tmp}}/random.pth",
+        "not a state dict torch.load(weights_only=True) can read",
+        False,
+    ),
+    "11 hf: a missing folder": (
+        "eval --model hf:{tmp}/no-model --data-dir {data}",
+        "model folder {tmp}/no-model does not exist",
+        False,
+    ),
     "11 --thresholds a folder": (f"{EVAL} --thresholds {{tmp}}/folder", "is a folder; pass the thresholds", False),
     "11 a corrupt tar": (f"{EVAL} --method tome --r 2 --data-dir {{tmp}}/bad.tar.gz", "cannot unpack", False),
-    "11 no train/": ("train --model {model} --data-dir {tmp}/no-train --r-target 0.6 --output {tmp}/new",
-                     "(training reads the train/ split of --data-dir)", False),
-    "12 eval --r 99": (f"{EVAL} --method tome --r 99",
-                       "--r 99 (block 1) asks for more tokens than this model has: with its 16 patch tokens", False),
+    "11 no train/": (
+        "train --model {model} --data-dir {tmp}/no-train --r-target 0.6 --output {tmp}/new",
+        "(training reads the train/ split of --data-dir)",
+        False,
+    ),
+    "12 eval --r 99": (
+        f"{EVAL} --method tome --r 99",
+        "--r 99 (block 1) asks for more tokens than this model has: with its 16 patch tokens",
+        False,
+    ),
     "12 eval --max-images 0": (f"{EVAL} --max-images 0", "argument --max-images: must be >= 1, got 0", True),
 }
 
@@ -141,6 +205,7 @@ def test_bad_input_row(row, ws, capsys, monkeypatch):
     fill = {**ws, "unwritable": unwritable(ws["tmp"])}
     before = snapshot(ws["tmp"], ws["data"])
     if early:  # refused before any work: no model is even built
+
         def no_work(*args, **kwargs):
             raise AssertionError(f"{row}: a model was built before the refusal")
 
@@ -157,8 +222,20 @@ def test_bad_input_row(row, ws, capsys, monkeypatch):
 
 def test_overwrite_replaces_and_resume_continues(ws, capsys):
     """What the refusals name works: --overwrite replaces an output, --resume continues the interrupted run."""
-    args = ["--quiet", "calibrate", "--model", ws["model"], "--data-dir", ws["data"], "--r-target", "0.5",
-            "--images", "8", "--output", ws["T"]]
+    args = [
+        "--quiet",
+        "calibrate",
+        "--model",
+        ws["model"],
+        "--data-dir",
+        ws["data"],
+        "--r-target",
+        "0.5",
+        "--images",
+        "8",
+        "--output",
+        ws["T"],
+    ]
     old = Path(ws["T"]).read_bytes()
     assert main([*args, "--overwrite"]) == 0 and Path(ws["T"]).read_bytes() != old
     train = [*TRAIN.format(**ws).split(), "--steps", "4"]
@@ -178,8 +255,22 @@ def test_a_failed_run_removes_only_the_folder_it_created(ws, capsys):
     mine.mkdir()
     (mine / "notes.txt").write_text("a user's file")
     for out in (new, mine):
-        code = main(["--quiet", "train", "--model", ws["model"], "--data-dir", f"{ws['tmp']}/unreadable",
-                     "--r-target", "0.6", "--output", str(out), "--workers", "0"])
+        code = main(
+            [
+                "--quiet",
+                "train",
+                "--model",
+                ws["model"],
+                "--data-dir",
+                f"{ws['tmp']}/unreadable",
+                "--r-target",
+                "0.6",
+                "--output",
+                str(out),
+                "--workers",
+                "0",
+            ]
+        )
         assert code == 2
     assert not new.exists() and (mine / "notes.txt").read_text() == "a user's file"
 
@@ -195,8 +286,9 @@ def test_interrupt_says_what_to_do_per_command(ws, capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == "ltmp: interrupted; nothing was written"
     monkeypatch.setattr(ltmp.train, "create_model", interrupt)
     assert main(["--quiet", *TRAIN.format(**ws).split(), "--output", f"{ws['tmp']}/new"]) == 130
-    assert capsys.readouterr().err.strip() == ("ltmp: interrupted; rerun with --resume to continue from the last "
-                                               "checkpoint")
+    assert capsys.readouterr().err.strip() == (
+        "ltmp: interrupted; rerun with --resume to continue from the last checkpoint"
+    )
 
 
 def test_repatching_validates_first_and_keeps_learned_thresholds(ws):
@@ -218,8 +310,11 @@ def test_non_finite_thresholds_are_never_saved(ws, tmp_path):
     model = ltmp.load_thresholds(ltmp.runtime.create_model(ws["model"]), ws["T"])
     with torch.no_grad():
         ltmp.patching.blocks(model)[2].prune_threshold.fill_(math.inf)
-    with pytest.raises(ltmp.LtmpError, match=r"prune_threshold of block 3 is inf \(not finite\); nothing was "
-                                             r"written to .*lower --lr-merge or --lr-prune"):
+    with pytest.raises(
+        ltmp.LtmpError,
+        match=r"prune_threshold of block 3 is inf \(not finite\); nothing was "
+        r"written to .*lower --lr-merge or --lr-prune",
+    ):
         ltmp.save_thresholds(model, tmp_path / "x.safetensors")
     assert not (tmp_path / "x.safetensors").exists()
 
@@ -249,22 +344,34 @@ def test_local_dir_without_pretrained_loads_the_folder_weights(tiny_model):  # n
 BASE = {
     "flops": "--model {model}",
     "train": "--model {model} --data-dir {data} --r-target 0.6 --output {tmp}/f-train --batch-size 8 --workers 0 "
-             "--steps 1 --no-eval --no-settle",
+    "--steps 1 --no-eval --no-settle",
     "eval": "--model {model} --data-dir {data} --workers 0 --max-images 3",
     "bench": "--model {model} --method tome --r 2 --batch-size 2 --warmup 0 --reps 1 --rounds 1",
     "viz": "--model {model} --method tome --r 2 --image {data}/val/class0/000.png --output {tmp}/f.png",
     "analyze": "--model {model} --data-dir {data} --val-split val --max-images 3 --workers 0 --kendall-k 2 "
-               "--output {tmp}/f-analysis",
+    "--output {tmp}/f-analysis",
     "calibrate": "--model {model} --data-dir {data} --r-target 0.5 --images 4 --output {tmp}/f.safetensors",
     "export": "--model {model} --method tome --r 2 --format torchscript --output {tmp}/f.pt",
     "pareto": "{tmp}/e.json --output {tmp}/f-pareto.png",
     "demo": "--model {model} --data-dir {data} --val-split val --epochs 0.1 --batch-size 8 --max-images 3 --workers 0 "
-            "--output {tmp}/f-demo --targets 0.7",
+    "--output {tmp}/f-demo --targets 0.7",
     "pretrain": "--data-dir {data} --val-split val --epochs 1 --batch-size 8 --workers 0 --output {tmp}/f-pretrain",
 }
 #: a huge value of these means a long run, as asked: the fuzz gives them a small one instead
-LONG = {"--steps", "--epochs", "--reps", "--rounds", "--warmup", "--stop-after-epoch", "--max-train-images",
-        "--images", "--max-images", "--batch-size", "--checkpoint-every", "--targets"}
+LONG = {
+    "--steps",
+    "--epochs",
+    "--reps",
+    "--rounds",
+    "--warmup",
+    "--stop-after-epoch",
+    "--max-train-images",
+    "--images",
+    "--max-images",
+    "--batch-size",
+    "--checkpoint-every",
+    "--targets",
+}
 #: options that take numbers as text (the others that take text take names and paths: one wrong one each)
 NUMERIC_TEXT = {"--r", "--k", "--targets"}
 

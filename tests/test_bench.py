@@ -1,4 +1,5 @@
 """Timing helpers of ltmp.bench: interleaved rounds and time ratios paired round by round."""
+
 import platform
 
 import pytest
@@ -21,7 +22,7 @@ def test_compare_models_starts_each_round_one_model_later():
     log = []
     models = {k: Recorder(k, log) for k in "abc"}
     t = compare_models(models, torch.zeros(1), warmup=0, reps=1, rounds=4)
-    assert log == list("abc" "bca" "cab" "abc")  # no model always runs first
+    assert log == list("abcbcacababc")  # no model always runs first
     assert all(len(v["times"]) == v["reps"] == 4 for v in t.values())
 
 
@@ -29,7 +30,7 @@ def test_compare_models_keeps_repetitions_of_one_round_at_the_same_positions():
     log = []
     models = {k: Recorder(k, log) for k in "ab"}
     t = compare_models(models, torch.zeros(1), warmup=0, reps=2, rounds=2)
-    assert log == list("aabb" "bbaa")  # times[i] of every model: round i // reps, so paired_ratio pairs in-round
+    assert log == list("aabbbbaa")  # times[i] of every model: round i // reps, so paired_ratio pairs in-round
     assert [len(v["times"]) for v in t.values()] == [4, 4]
 
 

@@ -1,4 +1,5 @@
 """The ltmp command line: train, resume, data-parallel training, eval, and one-line errors on bad input."""
+
 from __future__ import annotations
 
 import json
@@ -7,57 +8,40 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import timm
 import torch
-from PIL import Image
 
 import ltmp
+from conftest import TINY_ARGS
 from ltmp.bench import allocator
 from ltmp.cli import main
 
-TINY_ARGS = dict(img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=3)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    """A tiny random ViT in timm's local-dir format (config.json + model.safetensors)."""
-    from timm.models._hub import save_for_hf
-
-    folder = tmp_path_factory.mktemp("models") / "tiny"
-    torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", **TINY_ARGS)
-    with torch.no_grad():
-        for blk in model.blocks:
-            blk.attn.qkv.weight.mul_(5)
-    save_for_hf(model, str(folder), model_args=TINY_ARGS, safe_serialization=True,
-                data_config=dict(input_size=(3, 32, 32), crop_pct=1.0, mean=(0.5,) * 3, std=(0.25,) * 3))
-    return f"local-dir:{folder}"
-
-
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
-    """ImageFolder with train (3 x 16) and val (3 x 6) splits of structured 32x32 images."""
-    root = tmp_path_factory.mktemp("data")
-    g = torch.Generator().manual_seed(0)
-    for split, n in (("train", 16), ("val", 6)):
-        for c in range(3):
-            d = root / split / f"class{c}"
-            d.mkdir(parents=True)
-            for i in range(n):
-                base = torch.rand(3, 4, 4, generator=g) * 0.5 + 0.25 * c
-                img = torch.nn.functional.interpolate(base[None], size=32, mode="bilinear")[0]
-                arr = (img.clamp(0, 1) * 255).byte().permute(1, 2, 0).numpy()
-                Image.fromarray(arr).save(d / f"{i:03d}.png")
-    return root
-
-
 def train_args(model, data, out, *extra):
-    return ["--quiet", "train", "--model", model, "--pretrained", "--data-dir", str(data), "--output", str(out),
-            "--r-target", "0.6", "--batch-size", "8", "--workers", "0", "--lr-prune", "5e-3", *extra]
+    return [
+        "--quiet",
+        "train",
+        "--model",
+        model,
+        "--pretrained",
+        "--data-dir",
+        str(data),
+        "--output",
+        str(out),
+        "--r-target",
+        "0.6",
+        "--batch-size",
+        "8",
+        "--workers",
+        "0",
+        "--lr-prune",
+        "5e-3",
+        *extra,
+    ]
 
 
 def thresholds_of(path) -> dict[str, float]:
@@ -139,8 +123,11 @@ def test_paper_recipe_trains_and_records_every_point(tiny_model, tiny_data, tmp_
     from ltmp.config import RECIPES
 
     out = tmp_path / "paper"
-    args = [a for a in train_args(tiny_model, tiny_data, out, "--steps", "3", "--recipe", "paper", "--no-eval")
-            if a not in ("--lr-prune", "5e-3")]  # the recipe's own learning rates
+    args = [
+        a
+        for a in train_args(tiny_model, tiny_data, out, "--steps", "3", "--recipe", "paper", "--no-eval")
+        if a not in ("--lr-prune", "5e-3")
+    ]  # the recipe's own learning rates
     assert main(args) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["recipe"] == "paper" and all(cfg[k] == v for k, v in RECIPES["paper"].items() if k != "batch_size")
@@ -159,13 +146,20 @@ def test_distill_mixes_label_and_teacher_terms(tiny_model, tiny_data, tmp_path, 
     assert log[0]["r_flops"] == pytest.approx(1.0) and log[0]["task"] == pytest.approx(0.5 * log[0]["ce"], rel=1e-5)
     assert json.loads((out / "config.json").read_text())["distill"] == 0.5
     merged = tmp_path / "merged"  # merge threshold 0.3: most tokens merge from step 1 on, and the outputs part
-    assert main(train_args(tiny_model, tiny_data, merged, "--steps", "1", "--no-eval", "--distill", "1",
-                           "--merge-init", "0.3")) == 0
+    assert (
+        main(
+            train_args(
+                tiny_model, tiny_data, merged, "--steps", "1", "--no-eval", "--distill", "1", "--merge-init", "0.3"
+            )
+        )
+        == 0
+    )
     first = json.loads((merged / "log.jsonl").read_text().splitlines()[0])
     assert first["r_flops"] < 0.8 and first["task"] > 1e-7  # (a random tiny model: its outputs barely change)
     assert main(train_args(tiny_model, tiny_data, tmp_path / "bad", "--distill", "2")) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "ltmp: error: argument --distill: must lie in [0, 1], got 2 (see: ltmp train --help)")
+        "ltmp: error: argument --distill: must lie in [0, 1], got 2 (see: ltmp train --help)"
+    )
 
 
 def test_distill_loss_is_kl_from_the_teacher():
@@ -182,12 +176,35 @@ def test_eval_json_has_stable_keys_and_fixed_rate_baselines(tiny_model, tiny_dat
     run = tmp_path / "run"
     assert main(train_args(tiny_model, tiny_data, run, "--steps", "3", "--no-eval", "--optimizer", "sgd")) == 0
     a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
-    common = ["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data),
-              "--workers", "0", "--batch-size", "5"]
+    common = [
+        "--quiet",
+        "eval",
+        "--model",
+        tiny_model,
+        "--pretrained",
+        "--data-dir",
+        str(tiny_data),
+        "--workers",
+        "0",
+        "--batch-size",
+        "5",
+    ]
     assert main(common + ["--thresholds", str(run / "thresholds.safetensors"), "--json", str(a)]) == 0
     res = json.loads(a.read_text())
-    for key in ("schema_version", "top1", "top5", "images", "gmacs", "gmacs_dense", "gmacs_ratio", "gmacs_executed",
-                "r_flops", "per_layer", "method", "model"):
+    for key in (
+        "schema_version",
+        "top1",
+        "top5",
+        "images",
+        "gmacs",
+        "gmacs_dense",
+        "gmacs_ratio",
+        "gmacs_executed",
+        "r_flops",
+        "per_layer",
+        "method",
+        "model",
+    ):
         assert key in res, key
     assert res["images"] == 18 and res["method"] == "ltmp"
     assert set(res["per_layer"][0]) == {"merged", "pruned", "kept"}
@@ -235,8 +252,7 @@ def test_thresholds_stay_within_the_range_of_their_scores(tiny_model, tiny_data,
     """Steps far too large for the scores still leave merge thresholds in [-1, 1] (cosine similarities) and prune
     thresholds in [0, 1] (mean column attention), where the surrogate gradient can bring them back."""
     out = tmp_path / "run"
-    args = train_args(tiny_model, tiny_data, out, "--steps", "2", "--no-eval", "--lr-merge", "1e4",
-                      "--no-settle")
+    args = train_args(tiny_model, tiny_data, out, "--steps", "2", "--no-eval", "--lr-merge", "1e4", "--no-settle")
     args[args.index("5e-3")] = "1e4"
     assert main(args) == 0
     th = thresholds_of(out / "thresholds.safetensors")
@@ -251,8 +267,21 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny_model, tiny_data, tmp_
     """Also the budget multiplier (--budget constraint) and Adam's moments resume: without them the thresholds
     would differ."""
     full, broken = tmp_path / "full", tmp_path / "broken"
-    args = ["--steps", "12", "--checkpoint-every", "2", "--no-eval", "--augment", "timm", "--budget", "constraint",
-            "--optimizer", "adam", "--lr-merge", "1e-2"]
+    args = [
+        "--steps",
+        "12",
+        "--checkpoint-every",
+        "2",
+        "--no-eval",
+        "--augment",
+        "timm",
+        "--budget",
+        "constraint",
+        "--optimizer",
+        "adam",
+        "--lr-merge",
+        "1e-2",
+    ]
     assert main(train_args(tiny_model, tiny_data, full, *args)) == 0
     cmd = [sys.executable, "-m", "ltmp"] + train_args(tiny_model, tiny_data, broken, *args)
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -286,8 +315,9 @@ def test_two_process_training_matches_one_process(tiny_model, tiny_data, tmp_pat
     args = ["--steps", "4", "--no-eval"]
     assert main(train_args(tiny_model, tiny_data, one, *args)) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ltmp"]
-    res = subprocess.run(cmd + train_args(tiny_model, tiny_data, two, *args), env=ENV, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        cmd + train_args(tiny_model, tiny_data, two, *args), env=ENV, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     a, b = thresholds_of(one / "thresholds.safetensors"), thresholds_of(two / "thresholds.safetensors")
     assert a.keys() == b.keys()
@@ -307,14 +337,17 @@ def test_bad_eval_json_and_targets_get_one_line_errors(tiny_model, tiny_data, tm
     bad.write_text("not json")
     common = ["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--workers", "0"]
     assert main(common + ["--method", "tome", "--match", str(bad)]) == 2
-    assert capsys.readouterr().err.strip() == (f"ltmp: error: --match {bad}: cannot read it as JSON (JSONDecodeError); "
-                                               "pass an eval.json written by ltmp eval --json or ltmp train")
+    assert capsys.readouterr().err.strip() == (
+        f"ltmp: error: --match {bad}: cannot read it as JSON (JSONDecodeError); "
+        "pass an eval.json written by ltmp eval --json or ltmp train"
+    )
     bad.write_text("{}")
     assert main(common + ["--method", "tome", "--r", "2", "--compare", str(bad)]) == 2
     assert "has no 'gmacs'; pass an eval.json" in capsys.readouterr().err
     assert main(["--quiet", "demo", "--targets", "0.7,x", "--output", str(tmp_path / "d")]) == 2
     assert capsys.readouterr().err.strip() == (
-        "ltmp: error: --targets takes comma-separated numbers such as 0.7,0.5, got '0.7,x'")
+        "ltmp: error: --targets takes comma-separated numbers such as 0.7,0.5, got '0.7,x'"
+    )
 
 
 def test_unexpected_errors_keep_their_traceback(tiny_model, monkeypatch):
@@ -329,8 +362,19 @@ def test_unexpected_errors_keep_their_traceback(tiny_model, monkeypatch):
         main(["flops", "--model", tiny_model])
 
 
-@pytest.mark.parametrize("case", ["unknown-model", "missing-dir", "empty-dir", "r-target", "other-model",
-                                  "corrupt-checkpoint", "corrupt-thresholds", "collapse"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unknown-model",
+        "missing-dir",
+        "empty-dir",
+        "r-target",
+        "other-model",
+        "corrupt-checkpoint",
+        "corrupt-thresholds",
+        "collapse",
+    ],
+)
 def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     if case == "unknown-model":
@@ -350,8 +394,18 @@ def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, ca
     elif case == "other-model":
         other = ltmp.patch(timm.create_model("vit_tiny_patch16_224", **{**TINY_ARGS, "depth": 2}), "ltmp")
         ltmp.save_thresholds(other, tmp_path / "t.safetensors")
-        args = ["eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--thresholds",
-                str(tmp_path / "t.safetensors"), "--json", str(out / "eval.json")]
+        args = [
+            "eval",
+            "--model",
+            tiny_model,
+            "--pretrained",
+            "--data-dir",
+            str(tiny_data),
+            "--thresholds",
+            str(tmp_path / "t.safetensors"),
+            "--json",
+            str(out / "eval.json"),
+        ]
         expect = "were made for another model"
     elif case == "corrupt-checkpoint":
         (tmp_path / "w.pth").write_bytes(b"not a checkpoint")
@@ -360,12 +414,22 @@ def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, ca
     elif case == "collapse":  # an Adam prune step so large that block 1 prunes every patch token from step 2 on
         args = train_args(tiny_model, tiny_data, out, "--steps", "20", "--optimizer", "adam")
         args[args.index("5e-3")], args[args.index("0.6")] = "1e4", "0.2"
-        expect = ("training stopped at step 11: block 1 removed every patch token of every image for 10 steps in a "
-                  "row (merge threshold ")
+        expect = (
+            "training stopped at step 11: block 1 removed every patch token of every image for 10 steps in a "
+            "row (merge threshold "
+        )
     else:
         (tmp_path / "t.safetensors").write_bytes(b"\x01\x02garbage")
-        args = ["eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--thresholds",
-                str(tmp_path / "t.safetensors")]
+        args = [
+            "eval",
+            "--model",
+            tiny_model,
+            "--pretrained",
+            "--data-dir",
+            str(tiny_data),
+            "--thresholds",
+            str(tmp_path / "t.safetensors"),
+        ]
         expect = "cannot read thresholds file"
     code, err = run_cli(args, capsys)
     assert code == 2
@@ -382,8 +446,24 @@ def test_unreadable_images_are_skipped_and_counted(tiny_model, tiny_data, tmp_pa
     shutil.copytree(tiny_data, data)
     (data / "val" / "class0" / "broken.png").write_bytes(b"this is not a png")
     out = tmp_path / "e.json"
-    assert main(["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(data), "--workers", "0",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "eval",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--data-dir",
+                str(data),
+                "--workers",
+                "0",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["images"] == 18 and res["skipped"] == 1
     assert "1 unreadable skipped" in capsys.readouterr().out
@@ -398,8 +478,26 @@ def test_cifar_layout_tarball_is_used_directly(tiny_model, tiny_data, tmp_path, 
         tar.add(tiny_data / "train", arcname="train")
         tar.add(tiny_data / "val", arcname="test")
     out = tmp_path / "e.json"
-    assert main(["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(archive),
-                 "--val-split", "test", "--workers", "0", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "eval",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--data-dir",
+                str(archive),
+                "--val-split",
+                "test",
+                "--workers",
+                "0",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())["images"] == 18
 
 
@@ -409,8 +507,29 @@ def test_amp_eval_matches_fp32(tiny_model, tiny_data, tmp_path):
     runs = {}
     for name, extra in (("fp32", []), ("amp", ["--amp"])):
         out = tmp_path / f"{name}.json"
-        assert main(["--quiet", "eval", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data),
-                     "--workers", "0", "--method", "tome", "--r", "3", "--json", str(out), *extra]) == 0
+        assert (
+            main(
+                [
+                    "--quiet",
+                    "eval",
+                    "--model",
+                    tiny_model,
+                    "--pretrained",
+                    "--data-dir",
+                    str(tiny_data),
+                    "--workers",
+                    "0",
+                    "--method",
+                    "tome",
+                    "--r",
+                    "3",
+                    "--json",
+                    str(out),
+                    *extra,
+                ]
+            )
+            == 0
+        )
         runs[name] = json.loads(out.read_text())
     assert runs["amp"]["images"] == 18 and runs["amp"]["per_layer"] == runs["fp32"]["per_layer"]
     differ = sum(a != b for a, b in zip(runs["amp"]["correct"], runs["fp32"]["correct"]))
@@ -430,9 +549,33 @@ def test_amp_training_and_holdout(tiny_model, tiny_data, tmp_path):
 
 def test_bench_reports_time_and_gmacs_ratios(tiny_model, tiny_data, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(["bench", "--model", tiny_model, "--pretrained", "--method", "tome", "--r", "4", "--batch-size", "4",
-                 "--data-dir", str(tiny_data), "--reps", "2", "--rounds", "1", "--warmup", "1",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--method",
+                "tome",
+                "--r",
+                "4",
+                "--batch-size",
+                "4",
+                "--data-dir",
+                str(tiny_data),
+                "--reps",
+                "2",
+                "--rounds",
+                "1",
+                "--warmup",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert [r["batch_size"] for r in res["runs"]] == [1, 4]
     for r in res["runs"]:
@@ -450,14 +593,34 @@ def test_bench_on_random_inputs_says_so_for_learned_thresholds(tiny_model, tmp_p
     thresholds = tmp_path / "t.safetensors"
     ltmp.save_thresholds(ltmp.patch(timm.create_model(tiny_model, pretrained=True), "ltmp"), thresholds)
     out = tmp_path / "bench.json"
-    assert main(["bench", "--model", tiny_model, "--pretrained", "--thresholds", str(thresholds),
-                 "--batch-size", "2", "--reps", "1", "--rounds", "1", "--warmup", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--thresholds",
+                str(thresholds),
+                "--batch-size",
+                "2",
+                "--reps",
+                "1",
+                "--rounds",
+                "1",
+                "--warmup",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "ltmp: note: timing on random inputs (no --data-dir)" in capsys.readouterr().err
     assert json.loads(out.read_text())["inputs"] == "random"
 
 
-def test_resume_refuses_changed_settings_and_overwrite_drops_the_checkpoint(tiny_model, tiny_data, tmp_path,
-                                                                            capsys):
+def test_resume_refuses_changed_settings_and_overwrite_drops_the_checkpoint(tiny_model, tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     args = ["--steps", "6", "--checkpoint-every", "2", "--no-eval"]
     assert main(train_args(tiny_model, tiny_data, out, *args)) == 0
@@ -465,8 +628,19 @@ def test_resume_refuses_changed_settings_and_overwrite_drops_the_checkpoint(tiny
     from ltmp.train import TrainConfig, save_checkpoint
 
     model = ltmp.load_thresholds(timm.create_model(tiny_model, pretrained=True), out / "thresholds.safetensors")
-    cfg = TrainConfig(model=tiny_model, data_dir=str(tiny_data), output=str(out), r_target=0.6, pretrained=True,
-                      batch_size=8, steps=6, checkpoint_every=2, workers=0, lr_prune=5e-3, eval_after=False)
+    cfg = TrainConfig(
+        model=tiny_model,
+        data_dir=str(tiny_data),
+        output=str(out),
+        r_target=0.6,
+        pretrained=True,
+        batch_size=8,
+        steps=6,
+        checkpoint_every=2,
+        workers=0,
+        lr_prune=5e-3,
+        eval_after=False,
+    )
     save_checkpoint(model, out / "checkpoint.safetensors", 2, cfg)
     (out / "thresholds.safetensors").unlink()
     bad = train_args(tiny_model, tiny_data, out, *args, "--resume")
@@ -482,8 +656,9 @@ def test_resume_refuses_changed_settings_and_overwrite_drops_the_checkpoint(tiny
 
 
 @pytest.mark.slow
-def test_compile_flags_compile_both_models_and_train_learns_the_same_thresholds(tiny_model, tiny_data, tmp_path,
-                                                                                monkeypatch):
+def test_compile_flags_compile_both_models_and_train_learns_the_same_thresholds(
+    tiny_model, tiny_data, tmp_path, monkeypatch
+):
     """--compile goes through torch.compile (here with Dynamo's "eager" backend, for speed): bench compiles the dense
     model and ToMe (a fixed rate) as single graphs with static shapes; a compiled training run ends where the eager
     one does."""
@@ -504,9 +679,35 @@ def _check_compile_flags(tiny_model, tiny_data, tmp_path, monkeypatch, dynamo_co
 
     monkeypatch.setattr(torch, "compile", spy)
     out = tmp_path / "bench.json"
-    assert main(["--quiet", "bench", "--model", tiny_model, "--pretrained", "--method", "tome", "--r", "4",
-                 "--batch-size", "4", "--data-dir", str(tiny_data), "--reps", "1", "--rounds", "1", "--warmup", "1",
-                 "--compile", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "bench",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--method",
+                "tome",
+                "--r",
+                "4",
+                "--batch-size",
+                "4",
+                "--data-dir",
+                str(tiny_data),
+                "--reps",
+                "1",
+                "--rounds",
+                "1",
+                "--warmup",
+                "1",
+                "--compile",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())["compiled"] is True
     assert calls == [("VisionTransformer", False, True, None), ("LTMPVisionTransformer", False, True, None)]
     assert getattr(dynamo_config, limit) >= 64

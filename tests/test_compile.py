@@ -5,6 +5,7 @@ The Dynamo-only ("eager") and AOTAutograd ("aot_eager") backends test what our c
 breaks, guards, the custom autograd Function) in seconds; Inductor's code generation is exercised by
 ``benchmarks/speed.py --compile`` and ``ltmp bench --compile``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,9 +19,15 @@ from conftest import THRESHOLDS, images, make_model
 pytestmark = [pytest.mark.skipif(not hasattr(torch, "compile"), reason="needs torch.compile"), pytest.mark.slow]
 
 
-@pytest.mark.parametrize("name, method, batch", [
-    ("cls", "ltmp", 1), ("cls", "ltmp", 4), ("registers", "ltmp", 4), ("no-cls-avg", "ltpm", 4),
-])
+@pytest.mark.parametrize(
+    "name, method, batch",
+    [
+        ("cls", "ltmp", 1),
+        ("cls", "ltmp", 4),
+        ("registers", "ltmp", 4),
+        ("no-cls-avg", "ltpm", 4),
+    ],
+)
 def test_compiled_eval_matches_eager_and_stops_recompiling(name, method, batch):
     torch._dynamo.reset()
     counters.clear()
@@ -30,7 +37,7 @@ def test_compiled_eval_matches_eager_and_stops_recompiling(name, method, batch):
     x = images(8 * batch, seed=3)
     with torch.no_grad():
         for i in range(8):
-            xi = x[i * batch:(i + 1) * batch]
+            xi = x[i * batch : (i + 1) * batch]
             # the first images compile the few variants (first block, padding or not); then new images compile
             # nothing (an error, not a silent fallback to eager): no guard depends on the token counts
             with torch._dynamo.config.patch(error_on_recompile=i >= 2):
@@ -43,10 +50,15 @@ def test_compiled_eval_matches_eager_and_stops_recompiling(name, method, batch):
     assert reasons and all("depend" in r.lower() for r in reasons), reasons  # only compaction's token counts
 
 
-@pytest.mark.parametrize("name, method, kw", [
-    ("cls", "tome", dict(r=[8, 6, 4])), ("registers", "tome", dict(r=5)), ("no-cls-avg", "topk-prune", dict(k=4)),
-    ("cls", "topk-mp", dict(k=[3, 2, 2])),
-])
+@pytest.mark.parametrize(
+    "name, method, kw",
+    [
+        ("cls", "tome", dict(r=[8, 6, 4])),
+        ("registers", "tome", dict(r=5)),
+        ("no-cls-avg", "topk-prune", dict(k=4)),
+        ("cls", "topk-mp", dict(k=[3, 2, 2])),
+    ],
+)
 def test_fixed_rate_eval_compiles_into_one_graph(name, method, kw):
     """Fixed rates: token counts follow from the shapes, so the eval forward is one graph (fullgraph raises on
     any graph break) with the eager results and counts, for every batch of the same size."""

@@ -1,4 +1,5 @@
 """Data helpers a user relies on without seeing them."""
+
 from ltmp.data import spread_subset
 
 

@@ -1,4 +1,5 @@
 """Calibration, pretraining, visualization and the demo, on tiny models and data."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ from conftest import THRESHOLDS, images, make_model
 from ltmp.calibrate import calibrate
 from ltmp.cli import main
 from ltmp.viz import layer_groups, render_groups
-from test_cli import tiny_data, tiny_model  # noqa: F401  (fixtures)
 
 
 @pytest.mark.parametrize("mode", ["shared", "quantile"])
@@ -78,8 +78,20 @@ def test_pretrain_resumes_to_the_same_weights(tiny_data, tmp_path, monkeypatch):
 
     small = dict(pt.MODEL_ARGS, embed_dim=32, depth=2, num_heads=2, num_classes=3)
     monkeypatch.setattr(pt, "MODEL_ARGS", small)
-    common = ["--quiet", "pretrain", "--data-dir", str(tiny_data), "--epochs", "2", "--batch-size", "8",
-              "--workers", "0", "--val-split", "val"]
+    common = [
+        "--quiet",
+        "pretrain",
+        "--data-dir",
+        str(tiny_data),
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--workers",
+        "0",
+        "--val-split",
+        "val",
+    ]
     assert main(common + ["--output", str(tmp_path / "a")]) == 0
     assert main(common + ["--output", str(tmp_path / "b"), "--stop-after-epoch", "1"]) == 0
     assert not (tmp_path / "b" / "model").exists()
@@ -96,9 +108,32 @@ def test_pretrain_resumes_to_the_same_weights(tiny_data, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_demo_writes_table_plot_and_token_picture(tiny_model, tiny_data, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "demo"
-    assert main(["--quiet", "demo", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data),
-                 "--val-split", "val", "--targets", "0.6", "--epochs", "1", "--batch-size", "8", "--workers", "0",
-                 "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "demo",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--data-dir",
+                str(tiny_data),
+                "--val-split",
+                "val",
+                "--targets",
+                "0.6",
+                "--epochs",
+                "1",
+                "--batch-size",
+                "8",
+                "--workers",
+                "0",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| dense |" in printed and "| ltmp | 0.6 |" in printed and "| tome |" in printed
     for name in ("results.md", "results.json", "accuracy_vs_gmacs.png", "tokens.png"):
@@ -109,21 +144,26 @@ def test_demo_writes_table_plot_and_token_picture(tiny_model, tiny_data, tmp_pat
     assert abs(res["rows"][2]["gmacs"] - ltmp_row["gmacs"]) / ltmp_row["gmacs"] < 0.1
     assert all(r["batch"] == 18 and r["throughput"] > 0 for r in res["rows"])  # all 18 eval images in one batch
     assert res["speed"] in (out / "results.md").read_text() and res["speed"] in printed
-    assert res["accuracy"] in printed and res["accuracy"].startswith("Accuracy: LTMP - ToMe at the same GMACs on "
-                                                                     "these 18 images: ")
+    assert res["accuracy"] in printed and res["accuracy"].startswith(
+        "Accuracy: LTMP - ToMe at the same GMACs on these 18 images: "
+    )
 
 
 def test_accuracy_sentence_says_whether_the_paired_test_tells_the_difference_from_noise():
     from ltmp.demo import accuracy_sentence
 
-    rows = [{"method": "dense", "top1": 70.0}, {"method": "ltmp", "r_target": "0.7", "top1": 69.0},
-            {"method": "tome", "r_target": "(match 0.7)", "top1": 68.5, "mcnemar_p": 0.41},
-            {"method": "ltmp", "r_target": "0.5", "top1": 63.7},
-            {"method": "tome", "r_target": "(match 0.5)", "top1": 65.4, "mcnemar_p": 0.012}]
+    rows = [
+        {"method": "dense", "top1": 70.0},
+        {"method": "ltmp", "r_target": "0.7", "top1": 69.0},
+        {"method": "tome", "r_target": "(match 0.7)", "top1": 68.5, "mcnemar_p": 0.41},
+        {"method": "ltmp", "r_target": "0.5", "top1": 63.7},
+        {"method": "tome", "r_target": "(match 0.5)", "top1": 65.4, "mcnemar_p": 0.012},
+    ]
     assert accuracy_sentence(rows, 1000, bundled=True) == (
         "Accuracy: LTMP - ToMe at the same GMACs on these 1,000 images: +0.50 points at r_target 0.7 (paired "
         "p=0.41, within noise); -1.70 points at r_target 0.5 (paired p=0.012, a real difference). The same "
-        "comparison on all 10,000 CIFAR-10 test images: docs/results.md.")
+        "comparison on all 10,000 CIFAR-10 test images: docs/results.md."
+    )
     assert accuracy_sentence(rows[:3], 18).endswith("(paired p=0.41, within noise).")
 
 
@@ -136,7 +176,8 @@ def test_speed_sentence_follows_the_numbers():
     rows = [row(10.0, 100.0), row(12.5, 150.0), row(20.0, 120.0)]  # slower at batch 1, faster at batch 64
     assert speed_sentence(rows, "cpu, 2 threads") == (
         "Speed here (cpu, 2 threads): at batch 1 every reduced model is slower than dense (0.50-0.80x its speed); "
-        "at batch 64 every reduced model is faster than dense (1.20-1.50x its throughput).")
+        "at batch 64 every reduced model is faster than dense (1.20-1.50x its throughput)."
+    )
     mixed = speed_sentence([row(10.0, 100.0), row(5.0, 90.0), row(20.0, 80.0)], "cuda:0, 16 threads")
     assert "at batch 1 1 of 2 reduced models are faster than dense (0.50-2.00x" in mixed
 
@@ -158,11 +199,35 @@ def test_bundled_assets_load_and_fit_the_size_budget():
 
 
 @pytest.mark.parametrize("mode", ["shared", "quantile"])
-def test_calibrate_cli_writes_thresholds_that_hit_the_target(tiny_model, tiny_data, tmp_path, mode,  # noqa: F811
-                                                             capsys):
+def test_calibrate_cli_writes_thresholds_that_hit_the_target(
+    tiny_model,
+    tiny_data,
+    tmp_path,
+    mode,  # noqa: F811
+    capsys,
+):
     out = tmp_path / "t.safetensors"
-    assert main(["calibrate", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data), "--r-target",
-                 "0.6", "--mode", mode, "--images", "40", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--data-dir",
+                str(tiny_data),
+                "--r-target",
+                "0.6",
+                "--mode",
+                mode,
+                "--images",
+                "40",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "r_FLOPs" in capsys.readouterr().out
     model = ltmp.load_thresholds(ltmp.runtime.create_model(tiny_model, pretrained=True), out)
     from ltmp.calibrate import calibration_batch

@@ -1,4 +1,5 @@
 """Exported models give the eager model's outputs on images whose kept token counts differ."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import ltmp
 from conftest import THRESHOLDS, images, make_model
 from ltmp.cli import main
 from ltmp.export import export_model, load_exported
-from test_cli import tiny_data, tiny_model  # noqa: F401  (fixtures)
 
 
 def _patched(config: str, method: str):
@@ -29,8 +29,10 @@ def _eager(model, xs):
     return outs, kept
 
 
-@pytest.mark.parametrize("config,method", [("cls", "ltmp"), ("registers", "ltmp"), ("no-cls-avg", "ltmp"),
-                                           ("cls", "tome"), ("cls", "topk-prune")])
+@pytest.mark.parametrize(
+    "config,method",
+    [("cls", "ltmp"), ("registers", "ltmp"), ("no-cls-avg", "ltmp"), ("cls", "tome"), ("cls", "topk-prune")],
+)
 def test_torch_export_keeps_data_dependent_token_counts(config, method, tmp_path):
     model = _patched(config, method)
     xs = [x[None] for x in images(4, torch.float32, seed=3)]
@@ -70,12 +72,54 @@ def test_torchscript_trace_is_exact_for_fixed_rates_and_warns_for_thresholds(tmp
 
 def test_export_cli_writes_a_program_that_bench_can_time(tiny_model, tiny_data, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "tome.pt2"
-    assert main(["export", "--model", tiny_model, "--pretrained", "--method", "tome", "--r", "3",
-                 "--image", str(next((tiny_data / "val" / "class0").iterdir())), "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--method",
+                "tome",
+                "--r",
+                "3",
+                "--image",
+                str(next((tiny_data / "val" / "class0").iterdir())),
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert out.stat().st_size > 0
-    assert main(["--quiet", "bench", "--model", tiny_model, "--pretrained", "--method", "tome", "--r", "3",
-                 "--batch-size", "2", "--reps", "1", "--rounds", "1", "--warmup", "1", "--exported", str(out),
-                 "--json", str(tmp_path / "b.json")]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "bench",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--method",
+                "tome",
+                "--r",
+                "3",
+                "--batch-size",
+                "2",
+                "--reps",
+                "1",
+                "--rounds",
+                "1",
+                "--warmup",
+                "1",
+                "--exported",
+                str(out),
+                "--json",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
     run = json.loads((tmp_path / "b.json").read_text())["runs"][0]
     assert run["batch_size"] == 1 and run["exported_ms"] > 0
 
@@ -133,23 +177,78 @@ def test_exported_models_decide_as_eager_on_real_images(method, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime,package", [("onnx", "onnxruntime"), ("openvino", "openvino")])
-def test_bench_deployed_times_both_models_exported_in_the_runtime(runtime, package, tiny_model, tiny_data,  # noqa: F811
-                                                                  tmp_path, capsys):
+def test_bench_deployed_times_both_models_exported_in_the_runtime(
+    runtime,
+    package,
+    tiny_model,
+    tiny_data,  # noqa: F811
+    tmp_path,
+    capsys,
+):
     """ltmp bench --deployed onnx / openvino: dense and reduced exported alike, run in the runtime one image at a
     time; each equals its eager model, and the GMACs ratio is the reduced model's own on those images."""
     pytest.importorskip(package)
     out = tmp_path / "deployed.json"
-    assert main(["--quiet", "bench", "--model", tiny_model, "--method", "tome", "--r", "3", "--deployed", runtime,
-                 "--data-dir", str(tiny_data), "--images", "4", "--reps", "1", "--rounds", "2", "--warmup", "1",
-                 "--threads", "1", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "bench",
+                "--model",
+                tiny_model,
+                "--method",
+                "tome",
+                "--r",
+                "3",
+                "--deployed",
+                runtime,
+                "--data-dir",
+                str(tiny_data),
+                "--images",
+                "4",
+                "--reps",
+                "1",
+                "--rounds",
+                "2",
+                "--warmup",
+                "1",
+                "--threads",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert (r["runtime"], r["images"], r["method"], [run["threads"] for run in r["runs"]]) == (runtime, 4, "tome", [1])
     assert max(r["max_abs_diff_vs_eager"].values()) < 1e-4
     assert r["runs"][0]["time_ratio"] > 0 and r["runs"][0]["dense_ms"]["median"] > 0
     assert r["graph_ops"]["dense"]["MatMul"] > 0 and sum(r["graph_ops"]["reduced"].values()) > 0
     assert f"deployed in {runtime} (1 thread), batch 1 over 4 images" in capsys.readouterr().out
-    assert main(["--quiet", "eval", "--model", tiny_model, "--method", "tome", "--r", "3", "--data-dir",
-                 str(tiny_data), "--max-images", "4", "--workers", "0", "--json", str(tmp_path / "e.json")]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "eval",
+                "--model",
+                tiny_model,
+                "--method",
+                "tome",
+                "--r",
+                "3",
+                "--data-dir",
+                str(tiny_data),
+                "--max-images",
+                "4",
+                "--workers",
+                "0",
+                "--json",
+                str(tmp_path / "e.json"),
+            ]
+        )
+        == 0
+    )
     assert r["gmacs_ratio"] == pytest.approx(json.loads((tmp_path / "e.json").read_text())["gmacs_ratio"], rel=1e-9)
 
 
@@ -189,9 +288,13 @@ def test_openvino_keeps_data_dependent_token_counts_and_equals_eager(tmp_path):
             assert torch.allclose(runner(x), w, atol=1e-4, rtol=0), (name, (runner(x) - w).abs().max())
 
 
-@pytest.mark.parametrize("runtime,package,message", [
-    ("onnx", "onnxruntime", "--deployed onnx needs ONNX Runtime: pip install 'ltmp[export]'"),
-    ("openvino", "openvino", "--deployed openvino needs OpenVINO: pip install 'ltmp[openvino]'")])
+@pytest.mark.parametrize(
+    "runtime,package,message",
+    [
+        ("onnx", "onnxruntime", "--deployed onnx needs ONNX Runtime: pip install 'ltmp[export]'"),
+        ("openvino", "openvino", "--deployed openvino needs OpenVINO: pip install 'ltmp[openvino]'"),
+    ],
+)
 def test_a_missing_runtime_is_one_error_naming_the_extra(runtime, package, message, monkeypatch, tmp_path):
     from ltmp.export import load_deployed
 

@@ -3,6 +3,7 @@
 Small randomly initialised models of each supported family (no downloads), float64 so that no score near a
 threshold flips a decision; a timm model runs beside them as the control.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,8 +20,9 @@ from conftest import THRESHOLDS, images, make_model
 T = pytest.importorskip("transformers")
 open_clip = pytest.importorskip("open_clip")
 
-SIZE = dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=3, intermediate_size=96, image_size=32,
-            patch_size=4)
+SIZE = dict(
+    hidden_size=48, num_hidden_layers=3, num_attention_heads=3, intermediate_size=96, image_size=32, patch_size=4
+)
 
 
 def _hf(cls: str, config: str, **kw):
@@ -30,8 +32,9 @@ def _hf(cls: str, config: str, **kw):
 def _open_clip(**kw):
     from open_clip.transformer import VisionTransformer
 
-    return lambda: VisionTransformer(image_size=32, patch_size=4, width=48, layers=3, heads=3, mlp_ratio=2.0,
-                                     output_dim=16, **kw)
+    return lambda: VisionTransformer(
+        image_size=32, patch_size=4, width=48, layers=3, heads=3, mlp_ratio=2.0, output_dim=16, **kw
+    )
 
 
 def _zero_shot():
@@ -54,9 +57,19 @@ FAMILIES = {
     "open-clip-avg": _open_clip(pool_type="avg", final_ln_after_pool=True, ls_init_value=0.5),
     "open-clip-zero-shot": _zero_shot,
 }
-PREFIX = {"timm": 1, "hf-vit": 1, "hf-vit-model": 1, "hf-deit-teacher": 2, "hf-dinov2-registers": 5,
-          "hf-dinov2-cls": 1, "hf-clip": 1, "hf-siglip": 0, "open-clip": 1, "open-clip-avg": 1,
-          "open-clip-zero-shot": 1}
+PREFIX = {
+    "timm": 1,
+    "hf-vit": 1,
+    "hf-vit-model": 1,
+    "hf-deit-teacher": 2,
+    "hf-dinov2-registers": 5,
+    "hf-dinov2-cls": 1,
+    "hf-clip": 1,
+    "hf-siglip": 0,
+    "open-clip": 1,
+    "open-clip-avg": 1,
+    "open-clip-zero-shot": 1,
+}
 LEARNED = ["ltmp", "ltpm", "ltm", "ltp"]
 FIXED = [("tome", dict(r=6)), ("topk-prune", dict(k=5)), ("topk-mp", dict(k=3))]
 ALL = [(m, THRESHOLDS) for m in LEARNED] + FIXED
@@ -69,8 +82,10 @@ def make(family: str, seed: int = 0) -> nn.Module:
     if not family.startswith("timm"):
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "in_proj_weight")) \
-                        and "head." not in name:
+                if (
+                    name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "in_proj_weight"))
+                    and "head." not in name
+                ):
                     p.mul_(6.0)
     return model.double().eval()
 
@@ -123,7 +138,7 @@ def test_batch_equals_single_images(family, method, options):
     with torch.no_grad():
         batch = output(model(x))
         kept = ltmp.stats(model).kept
-        singles = torch.cat([output(model(x[i:i + 1])) for i in range(4)])
+        singles = torch.cat([output(model(x[i : i + 1])) for i in range(4)])
     assert torch.allclose(batch, singles, atol=1e-6, rtol=0), (batch - singles).abs().max()
     if method == "ltmp":
         assert len(set(kept[:, -1].tolist())) > 1, "images should keep different numbers of tokens"
@@ -198,15 +213,19 @@ def test_classification_models_return_their_loss(family):
 
 def _dup_by_size(x: torch.Tensor, size: list[int], keep: list[bool]) -> torch.Tensor:
     """(1, N, C) -> (1, N', C): each surviving token repeated as many times as the patches it stands for."""
-    rows = [x[0, i:i + 1].expand(s, -1) for i, (s, k) in enumerate(zip(size, keep)) if k]
+    rows = [x[0, i : i + 1].expand(s, -1) for i, (s, k) in enumerate(zip(size, keep)) if k]
     return torch.cat(rows)[None]
 
 
 def _state(size: list[int], keep: list[bool]):
     from ltmp.step import Layout, TokenState
 
-    return TokenState(size=torch.tensor([size], dtype=torch.float64), layout=Layout(1, len(size)),
-                      keep=torch.tensor([keep], dtype=torch.float64), merged_once=True)
+    return TokenState(
+        size=torch.tensor([size], dtype=torch.float64),
+        layout=Layout(1, len(size)),
+        keep=torch.tensor([keep], dtype=torch.float64),
+        merged_once=True,
+    )
 
 
 SIZES, KEEP = [1, 3, 1, 2, 1, 4], [True, True, False, True, True, False]
@@ -243,14 +262,23 @@ def test_mean_pool_weighs_merged_tokens_by_size():
 
 
 def test_models_outside_the_families_are_refused_with_what_is_supported():
-    with pytest.raises(TypeError, match=r"^ltmp.patch cannot handle BeitModel; it supports transformers \(5.x\) "
-                                        r"ViTModel, "):
+    with pytest.raises(
+        TypeError,
+        match=r"^ltmp.patch cannot handle BeitModel; it supports transformers \(5.x\) "
+        r"ViTModel, ",
+    ):
         ltmp.patch(T.BeitModel(T.BeitConfig(**SIZE)))
-    with pytest.raises(TypeError, match=r"^ltmp.patch cannot handle Linear \(torch.nn.modules.linear\); it supports "
-                                        r"timm VisionTransformer .*; transformers .*; open_clip VisionTransformer"):
+    with pytest.raises(
+        TypeError,
+        match=r"^ltmp.patch cannot handle Linear \(torch.nn.modules.linear\); it supports "
+        r"timm VisionTransformer .*; transformers .*; open_clip VisionTransformer",
+    ):
         ltmp.patch(nn.Linear(2, 2))
-    clip = open_clip.model.CLIP(16, dict(image_size=32, patch_size=4, width=48, layers=1, head_width=16),
-                                dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1))
+    clip = open_clip.model.CLIP(
+        16,
+        dict(image_size=32, patch_size=4, width=48, layers=1, head_width=16),
+        dict(context_length=8, vocab_size=50, width=32, heads=2, layers=1),
+    )
     with pytest.raises(TypeError, match=r"cannot handle CLIP; patch its visual tower: ltmp.patch\(model.visual"):
         ltmp.patch(clip)
     ltmp.patch(clip.visual, "tome", r=4)
@@ -288,16 +316,20 @@ def test_zero_shot_classifier_is_clip_cosine_logits_over_class_prompts():
     from ltmp.adapters.open_clip import ZeroShotClassifier
 
     torch.manual_seed(0)
-    clip = open_clip.model.CLIP(16, dict(image_size=32, patch_size=4, width=48, layers=2, head_width=16),
-                                dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=1)).eval()
+    clip = open_clip.model.CLIP(
+        16,
+        dict(image_size=32, patch_size=4, width=48, layers=2, head_width=16),
+        dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=1),
+    ).eval()
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
     classes = ["air_plane", "cat", "dog"]
     zs = ZeroShotClassifier.from_clip(clip, tokenizer, classes)
     x = images(2, torch.float32)
     with torch.no_grad():
         img = torch.nn.functional.normalize(clip.encode_image(x), dim=-1)
-        txt = torch.nn.functional.normalize(clip.encode_text(tokenizer(["a photo of a air plane.", "a photo of a cat.",
-                                                                        "a photo of a dog."])), dim=-1)
+        txt = torch.nn.functional.normalize(
+            clip.encode_text(tokenizer(["a photo of a air plane.", "a photo of a cat.", "a photo of a dog."])), dim=-1
+        )
         expected = clip.logit_scale.exp() * img @ txt.T
         got = zs(x)
     assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
@@ -310,8 +342,11 @@ def test_zero_shot_classifier_is_clip_cosine_logits_over_class_prompts():
 def test_a_bare_open_clip_tower_is_refused_where_logits_are_needed():
     from ltmp.evaluate import evaluate
 
-    with pytest.raises(ValueError, match=r"^an OpenCLIP visual tower returns image embeddings, not class logits; "
-                                         r"accuracy and training need an image classifier: "):
+    with pytest.raises(
+        ValueError,
+        match=r"^an OpenCLIP visual tower returns image embeddings, not class logits; "
+        r"accuracy and training need an image classifier: ",
+    ):
         evaluate(make("open-clip"), [], progress=False)
 
 
@@ -325,9 +360,33 @@ def test_open_clip_models_evaluate_as_zero_shot_classifiers_on_the_command_line(
     from ltmp.demo import BUNDLED_DATA
 
     out = tmp_path / "eval.json"
-    assert main(["--quiet", "eval", "--model", "open_clip:ViT-B-32", "--data-dir", BUNDLED_DATA, "--val-split",
-                 "test", "--max-images", "16", "--batch-size", "16", "--method", "tome", "--r", "4", "--workers", "0",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "eval",
+                "--model",
+                "open_clip:ViT-B-32",
+                "--data-dir",
+                BUNDLED_DATA,
+                "--val-split",
+                "test",
+                "--max-images",
+                "16",
+                "--batch-size",
+                "16",
+                "--method",
+                "tome",
+                "--r",
+                "4",
+                "--workers",
+                "0",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["images"] == 16 and result["gmacs_ratio"] < 0.6
 
@@ -342,5 +401,6 @@ def test_transformers_arguments_are_keyword_only_and_return_dict_is_honoured():
     with torch.no_grad():
         out = model(pixel_values=x)
         tup = model(pixel_values=x, return_dict=False)
-    assert isinstance(tup, tuple) and torch.equal(tup[0], out.last_hidden_state) and torch.equal(tup[1],
-                                                                                                 out.pooler_output)
+    assert (
+        isinstance(tup, tuple) and torch.equal(tup[0], out.last_hidden_state) and torch.equal(tup[1], out.pooler_output)
+    )

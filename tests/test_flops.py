@@ -1,4 +1,5 @@
 """GMACs in the paper's (fvcore) convention, checked against torch.utils.flop_counter."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,10 @@ import ltmp
 from conftest import images, make_model
 
 
-@pytest.mark.parametrize("name,paper", [("deit_tiny_patch16_224", 1.258), ("deit_small_patch16_224", 4.608),
-                                        ("deit_base_patch16_224", 17.583)])
+@pytest.mark.parametrize(
+    "name,paper",
+    [("deit_tiny_patch16_224", 1.258), ("deit_small_patch16_224", 4.608), ("deit_base_patch16_224", 17.583)],
+)
 def test_dense_gmacs_match_the_paper(name, paper):
     with torch.device("meta"):
         model = timm.create_model(name)
@@ -101,8 +104,16 @@ def test_mlp_width_of_eq11_counts_a_gated_mlp_by_its_macs():
 
     plain = make_model("cls")
     assert ltmp.patching.mlp_hidden(plain) == plain.blocks[0].mlp.fc1.out_features
-    glu = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=48, depth=1, num_heads=3,
-                            mlp_layer=SwiGLUPacked, act_layer=torch.nn.SiLU)
+    glu = timm.create_model(
+        "vit_tiny_patch16_224",
+        img_size=32,
+        patch_size=4,
+        embed_dim=48,
+        depth=1,
+        num_heads=3,
+        mlp_layer=SwiGLUPacked,
+        act_layer=torch.nn.SiLU,
+    )
     mlp = glu.blocks[0].mlp
     macs = mlp.fc1.in_features * mlp.fc1.out_features + mlp.fc2.in_features * mlp.fc2.out_features
     assert ltmp.patching.mlp_hidden(glu) == round(macs / (2 * 48)) != mlp.fc1.out_features

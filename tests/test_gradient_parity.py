@@ -5,6 +5,7 @@ form of eq. 6's mask gradient, so these tests use ``mask_grad="eps"``: what is c
 update), eq. 13-14 (r_FLOPs and the budget loss) and the gradient paths between them. See
 ``benchmarks/gradient_parity.py`` for the full table.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,5 @@
 """Hugging Face transformers (issue #19): the bundled model's conversion, which the cross-library evidence needs."""
+
 from __future__ import annotations
 
 import copy
@@ -69,8 +70,9 @@ def test_same_thresholds_file_gives_the_same_decisions_in_timm_and_transformers(
     timm_model, hf, _ = _bundled_pair(tmp_path)
     x, y = _bundled_images(timm_model, 64)
     path = tmp_path / "t.safetensors"
-    ltmp.save_thresholds(ltmp.patch(copy.deepcopy(timm_model), "ltmp", merge_threshold=0.85, prune_threshold=0.004),
-                         path)
+    ltmp.save_thresholds(
+        ltmp.patch(copy.deepcopy(timm_model), "ltmp", merge_threshold=0.85, prune_threshold=0.004), path
+    )
     ltmp.load_thresholds(timm_model, path)
     ltmp.load_thresholds(hf, path)
     with torch.no_grad():
@@ -96,9 +98,32 @@ def test_hf_models_take_their_preprocessing_from_the_folder_and_run_the_cli(tmp_
     results = []
     for model in (BUNDLED_MODEL, f"hf:{folder}"):
         out = tmp_path / f"{len(results)}.json"
-        assert main(["--quiet", "eval", "--model", model, "--pretrained", "--data-dir", BUNDLED_DATA, "--val-split",
-                     "test", "--max-images", "128", "--method", "tome", "--r", "4", "--workers", "0", "--json",
-                     str(out)]) == 0
+        assert (
+            main(
+                [
+                    "--quiet",
+                    "eval",
+                    "--model",
+                    model,
+                    "--pretrained",
+                    "--data-dir",
+                    BUNDLED_DATA,
+                    "--val-split",
+                    "test",
+                    "--max-images",
+                    "128",
+                    "--method",
+                    "tome",
+                    "--r",
+                    "4",
+                    "--workers",
+                    "0",
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         results.append(json.loads(out.read_text()))
     for key in ("top1", "gmacs", "images"):
         assert results[0][key] == pytest.approx(results[1][key], rel=1e-9), key
@@ -108,8 +133,10 @@ def test_hf_and_open_clip_spellings_fail_clearly(tmp_path, capsys):
     from ltmp.cli import main
 
     assert main(["--quiet", "flops", "--model", f"hf:{tmp_path / 'missing'}"]) == 2
-    assert capsys.readouterr().err.strip() == (f"ltmp: error: model folder {tmp_path / 'missing'} does not exist; pass "
-                                               f"hf:DIR with a folder holding the model's config.json and weights")
+    assert capsys.readouterr().err.strip() == (
+        f"ltmp: error: model folder {tmp_path / 'missing'} does not exist; pass "
+        f"hf:DIR with a folder holding the model's config.json and weights"
+    )
     pytest.importorskip("open_clip")
     assert main(["--quiet", "flops", "--model", "open_clip:ViT-X-99"]) == 2
     assert "unknown OpenCLIP architecture 'ViT-X-99'; pick one of open_clip.list_models()" in capsys.readouterr().err
@@ -121,12 +148,23 @@ def test_hf_data_config_follows_the_processor_resize_and_center_crop(tmp_path):
 
     from ltmp.runtime import create_model
 
-    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                                 image_size=224, patch_size=32, num_labels=3)
+    cfg = transformers.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=224,
+        patch_size=32,
+        num_labels=3,
+    )
     transformers.ViTForImageClassification(cfg).save_pretrained(tmp_path)
-    transformers.DeiTImageProcessor(size={"height": 256, "width": 256}, crop_size={"height": 224, "width": 224},
-                                    resample=3, image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.2, 0.2]
-                                    ).save_pretrained(tmp_path)
+    transformers.DeiTImageProcessor(
+        size={"height": 256, "width": 256},
+        crop_size={"height": 224, "width": 224},
+        resample=3,
+        image_mean=[0.4, 0.5, 0.6],
+        image_std=[0.2, 0.2, 0.2],
+    ).save_pretrained(tmp_path)
     got = create_model(f"hf:{tmp_path}").pretrained_cfg
     assert got["input_size"] == (3, 224, 224) and got["crop_pct"] == pytest.approx(0.875)
     assert got["interpolation"] == "bicubic" and got["mean"] == pytest.approx((0.4, 0.5, 0.6))

@@ -1,4 +1,5 @@
 """The pure tensor functions of ltmp.ops against their definitions (paper eq. 1-7, 16-17, ToMe's merging)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -220,8 +221,6 @@ def test_importance_from_log_sum_exp_equals_the_explicit_probabilities(kind, mas
     assert torch.allclose(fused_out.transpose(1, 2)[real], out.transpose(1, 2)[real], atol=1e-12, rtol=0)
 
 
-
-
 @pytest.mark.parametrize("sized", [False, True])
 def test_masked_attention_hard_and_soft_masks_agree(sized):
     """Eval's -inf bias in one (B * H) batch of matmuls and train's multiplicative mask give the same attention."""
@@ -247,8 +246,9 @@ def test_match_pairs_even_positions_with_their_most_similar_odd_position(n):
     mergeable = torch.rand(3, n, generator=g) > 0.3
     mergeable[:, 0] = False  # a class token
     score, j = ops.match(metric, ops.blocked_pairs(mergeable))
-    assert all(torch.equal(a, b) for a, b in zip((score, j), ops.match(metric, ops.blocked_pairs(mergeable),
-                                                                      views=True)))  # strided views: the same
+    assert all(
+        torch.equal(a, b) for a, b in zip((score, j), ops.match(metric, ops.blocked_pairs(mergeable), views=True))
+    )  # strided views: the same
     sim = _cosine(metric[:, 0::2], metric[:, 1::2]).masked_fill(~mergeable[:, None, 1::2], float("-inf"))
     assert score.shape == j.shape == (3, (n + 1) // 2)
     for b in range(3):
@@ -286,10 +286,14 @@ def test_similarity_scores_stay_in_float32_under_autocast():
 def test_rank_selects_k_per_row_ties_to_the_earlier_position():
     s = torch.tensor([[9.0, 0.1, 0.1, 0.5, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])  # 9.0: not a candidate (lowest)
     assert ops.rank(s, largest=False).tolist() == [[4, 1, 2, 3, 0], [0, 1, 2, 3, 4]]
-    assert (ops.rank(s, largest=False) < 2).tolist() == [[False, True, False, False, True],
-                                                         [True, True, False, False, False]]
-    assert (ops.rank(s, largest=True) < 2).tolist() == [[True, False, False, True, False],
-                                                        [True, True, False, False, False]]
+    assert (ops.rank(s, largest=False) < 2).tolist() == [
+        [False, True, False, False, True],
+        [True, True, False, False, False],
+    ]
+    assert (ops.rank(s, largest=True) < 2).tolist() == [
+        [True, False, False, True, False],
+        [True, True, False, False, False],
+    ]
     assert (ops.rank(s, largest=True) < torch.tensor([[1], [3]])).sum(1).tolist() == [1, 3]
 
 
@@ -321,13 +325,14 @@ def test_merge_rows_averages_by_size_and_sizes_add_up():
     assert torch.allclose(new_x[0], (1 * x[0] + 2 * x[1]) / 3) and torch.equal(new_x[1], x[3])
     assert torch.isnan(new_x[3]).all()  # received nothing: 0 / 0, for the caller to cut
     assert new_src[0].tolist() == [1.0, 1.0, 0.0, 0.0]
-    copied, ones, _ = ops.merge_rows(x, torch.ones(4, dtype=torch.float64), torch.tensor([2, 0, 1, 4]), 5,
-                                     average=False)
+    copied, ones, _ = ops.merge_rows(
+        x, torch.ones(4, dtype=torch.float64), torch.tensor([2, 0, 1, 4]), 5, average=False
+    )
     assert torch.equal(copied[:3], x[[1, 2, 0]]) and ones.tolist() == [1, 1, 1, 0, 1]
 
 
 def _bucket_cost(groups, pair, fixed):
-    return sum(len(rows) * pair * n ** 2 + fixed for rows, n in groups)
+    return sum(len(rows) * pair * n**2 + fixed for rows, n in groups)
 
 
 def test_plan_buckets_groups_similar_counts():
@@ -353,17 +358,30 @@ def test_plan_buckets_is_the_cheapest_split(seed):
     assert sorted(i for rows, _ in groups for i in rows) == list(range(12))  # every image exactly once
     assert all(n == max(counts[i] for i in rows) for rows, n in groups)
     order = sorted(range(12), key=counts.__getitem__)
-    best = min(_bucket_cost([(order[a:b], counts[order[b - 1]]) for a, b in zip((0,) + cuts, cuts + (12,))],
-                            pair, fixed)
-               for g in range(4) for cuts in itertools.combinations(range(1, 12), g))
+    best = min(
+        _bucket_cost([(order[a:b], counts[order[b - 1]]) for a, b in zip((0,) + cuts, cuts + (12,))], pair, fixed)
+        for g in range(4)
+        for cuts in itertools.combinations(range(1, 12), g)
+    )
     assert _bucket_cost(groups, pair, fixed) == pytest.approx(best)
 
 
 def test_kept_constants_are_made_outside_inference_mode_and_bounded(monkeypatch):
     from ltmp import step
 
-    plan = step.Plan(train=False, grad=False, symbolic=False, compiling=False, static=False, amp=False,
-                     attention="explicit", group_macs=None, max_buckets=1, cache=True, views=True)
+    plan = step.Plan(
+        train=False,
+        grad=False,
+        symbolic=False,
+        compiling=False,
+        static=False,
+        amp=False,
+        attention="explicit",
+        group_macs=None,
+        max_buckets=1,
+        cache=True,
+        views=True,
+    )
     monkeypatch.setattr(step, "MAX_CONSTANTS", 3)
     step._CONSTANTS.clear()
     cpu = torch.device("cpu")

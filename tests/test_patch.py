@@ -1,4 +1,5 @@
 """ltmp.patch on timm ViTs: train and eval decide identically, batches equal single images, thresholds learn."""
+
 from __future__ import annotations
 
 import math
@@ -71,7 +72,7 @@ def test_batch_equals_single_images(config, method, options):
         kept = ltmp.stats(model).kept
         singles = []
         for i in range(len(x)):
-            singles.append(model(x[i:i + 1]))
+            singles.append(model(x[i : i + 1]))
             assert torch.equal(ltmp.stats(model).kept[0], kept[i])
     singles = torch.cat(singles)
     assert torch.allclose(batch, singles, atol=1e-6, rtol=0), (batch - singles).abs().max()
@@ -389,9 +390,17 @@ def test_class_attention_importance_runs_and_records_choice(tmp_path):
     assert ltmp.stats(model).pruned.sum() > 0
 
 
-
-@pytest.mark.parametrize("method,options", [("ltmp", THRESHOLDS), ("ltpm", THRESHOLDS), ("ltm", THRESHOLDS),
-                                            ("tome", dict(r=6)), ("topk-prune", dict(k=5)), ("topk-mp", dict(k=3))])
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        ("ltmp", THRESHOLDS),
+        ("ltpm", THRESHOLDS),
+        ("ltm", THRESHOLDS),
+        ("tome", dict(r=6)),
+        ("topk-prune", dict(k=5)),
+        ("topk-mp", dict(k=3)),
+    ],
+)
 @pytest.mark.parametrize("batch", [1, 4])
 def test_eval_host_synchronisations(method, options, batch):
     """Fixed rates read nothing back from the device (token counts follow from the shapes); learned thresholds
@@ -455,8 +464,9 @@ def _aten_calls(model, x) -> int:
     return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 
 
-@pytest.mark.parametrize("method,options,ratio", [("tome", dict(r=6), 1.5), ("topk-prune", dict(k=5), 1.5),
-                                                  ("ltmp", THRESHOLDS, 2.5)])
+@pytest.mark.parametrize(
+    "method,options,ratio", [("tome", dict(r=6), 1.5), ("topk-prune", dict(k=5), 1.5), ("ltmp", THRESHOLDS, 2.5)]
+)
 def test_eval_operator_calls_stay_within_budget(method, options, ratio):
     """aten calls of an eval forward at batch 4 against the dense timm model's: issue #17's budgets for ToMe and
     top-k pruning (1.5x) and learned thresholds (2.5x). On a GPU every call costs host time."""

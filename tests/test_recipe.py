@@ -40,8 +40,9 @@ def test_paper_recipe_is_the_points_the_study_measures(method):
     preset = train_config(parse([*REQUIRED, "--method", method, "--recipe", "paper"]))
     flags = _study().recipe_variants(method)["paper"]
     spelled = train_config(parse([*REQUIRED, "--method", method, "--holdout", "0.02", *flags]))
-    ignored = {"recipe"} | ({"merge_init", "merge_grad", "combine", "train_order", "clamp"} if method == "ltp" else
-                            set())  # options that do nothing without merge thresholds (prune's range is [0, 1])
+    ignored = {"recipe"} | (
+        {"merge_init", "merge_grad", "combine", "train_order", "clamp"} if method == "ltp" else set()
+    )  # options that do nothing without merge thresholds (prune's range is [0, 1])
     a, b = dataclasses.asdict(preset), dataclasses.asdict(spelled)
     assert {k: v for k, v in a.items() if k not in ignored} == {k: v for k, v in b.items() if k not in ignored}
     assert all(a[k] == v for k, v in RECIPES["paper"].items())
@@ -61,8 +62,9 @@ def test_overwrite_leaves_the_merge_threshold_only_the_tokens_it_merges():
     """The reference code's prune mask overwrites an unmerged set-A token's merge mask, so with its detached merged
     averages a merge threshold above every similarity (nothing merges) gets no gradient; with the product of the
     masks it does. The forward (hard masks) is the same."""
-    model = ltmp.patch(make_model("cls"), "ltmp", merge_threshold=1.0, prune_threshold=THRESHOLDS["prune_threshold"],
-                       merge_grad="mask")
+    model = ltmp.patch(
+        make_model("cls"), "ltmp", merge_threshold=1.0, prune_threshold=THRESHOLDS["prune_threshold"], merge_grad="mask"
+    )
     for p in model.parameters():
         p.requires_grad_(False)
     first = model.blocks[0].merge_threshold.requires_grad_(True)
@@ -149,8 +151,13 @@ def test_budget_tokens_and_pool_follow_the_reference_formula():
     assert len(set(rec.kept[:, -1].tolist())) > 1, "images must keep different counts for the pools to differ"
     n, d, L = 65, 48, 3
     m = (rec.keep_frac * 64 + 1).mean(0) / n  # (L + 1,) batch-mean kept fraction over all 65 tokens
-    expect = sum((2 * m[i] * n * d * d + (m[i] * n) ** 2 * d + 4 * m[i + 1] * n * d * d) / (6 * n * d * d + n * n * d)
-                 for i in range(L)) / L  # tools/train.py:1143-1148 of the reference, with its d = embed dim
+    expect = (
+        sum(
+            (2 * m[i] * n * d * d + (m[i] * n) ** 2 * d + 4 * m[i + 1] * n * d * d) / (6 * n * d * d + n * n * d)
+            for i in range(L)
+        )
+        / L
+    )  # tools/train.py:1143-1148 of the reference, with its d = embed dim
     got = ltmp.record.mean_r_flops(model, tokens="all", pool="batch")
     assert got == pytest.approx(float(expect), rel=1e-12)
     assert got != pytest.approx(float(ltmp.record.mean_r_flops(model, tokens="all")), rel=1e-9)

@@ -1,4 +1,5 @@
 """Confidence intervals and paired tests of evaluations, against values worked out by hand."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ def test_wilson_interval_of_half():
 def test_mcnemar_counts_the_discordant_pairs():
     res = mcnemar("1" * 10 + "0" * 5, "0" * 10 + "0" * 5)  # a right and b wrong on 10 images, never the reverse
     assert (res["only_a_correct"], res["only_b_correct"]) == (10, 0)
-    assert res["p_value"] == pytest.approx(2 * 0.5 ** 10, rel=1e-12)  # exact two-sided binomial test
+    assert res["p_value"] == pytest.approx(2 * 0.5**10, rel=1e-12)  # exact two-sided binomial test
     assert mcnemar("1100", "1010")["p_value"] == 1.0  # one discordant pair each way
     with pytest.raises(ValueError, match="cover different images"):
         mcnemar("10", "101")

@@ -1,4 +1,5 @@
 """Threshold files: the whole learned state, in safetensors, with metadata that guards against misuse."""
+
 from __future__ import annotations
 
 import os

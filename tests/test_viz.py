@@ -1,4 +1,5 @@
 """ltmp viz / analyze / pareto: pictures and analysis files from the command line, checked against the records."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ from scipy.stats import kendalltau
 import ltmp
 from conftest import THRESHOLDS
 from ltmp.cli import main
-from test_cli import tiny_data, tiny_model  # noqa: F401  (fixtures)
 
 
 def _images(folder, sizes):
@@ -29,39 +29,130 @@ def test_viz_draws_a_grid_for_images_of_any_size(tiny_model, tmp_path, capsys): 
     folder = _images(tmp_path / "imgs", [(32, 32), (50, 70), (200, 120)])
     model = ltmp.patch(timm.create_model(tiny_model, pretrained=True), "ltmp", **THRESHOLDS)
     ltmp.save_thresholds(model, tmp_path / "t.safetensors")
-    for extra, name in ((["--thresholds", str(tmp_path / "t.safetensors")], "ltmp.png"),
-                        (["--method", "topk-mp", "--k", "4"], "topk.png")):
+    for extra, name in (
+        (["--thresholds", str(tmp_path / "t.safetensors")], "ltmp.png"),
+        (["--method", "topk-mp", "--k", "4"], "topk.png"),
+    ):
         out = tmp_path / name
-        assert main(["--quiet", "viz", "--model", tiny_model, "--pretrained", "--image", str(folder),
-                     "--output", str(out), *extra]) == 0
+        assert (
+            main(
+                [
+                    "--quiet",
+                    "viz",
+                    "--model",
+                    tiny_model,
+                    "--pretrained",
+                    "--image",
+                    str(folder),
+                    "--output",
+                    str(out),
+                    *extra,
+                ]
+            )
+            == 0
+        )
         img = Image.open(out)
         assert img.size[0] > img.size[1] > 100  # a wide grid: input + 3 layers per row, 3 rows
         assert "3 images x 3 layers" in capsys.readouterr().out
-    assert main(["--quiet", "viz", "--model", tiny_model, "--pretrained", "--image", str(folder / "img1.png"),
-                 "--method", "tome", "--r", "6", "--output", str(tmp_path / "one.png")]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "viz",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--image",
+                str(folder / "img1.png"),
+                "--method",
+                "tome",
+                "--r",
+                "6",
+                "--output",
+                str(tmp_path / "one.png"),
+            ]
+        )
+        == 0
+    )
 
 
 def test_viz_bad_input_is_one_line(tiny_model, tmp_path, capsys):  # noqa: F811
-    assert main(["--quiet", "viz", "--model", tiny_model, "--image", str(tmp_path / "nope.jpg"),
-                 "--method", "tome", "--r", "2"]) == 2
-    assert capsys.readouterr().err.strip() == (f"ltmp: error: no such image or folder: {tmp_path / 'nope.jpg'}; "
-                                               f"pass an image file or a folder of images")
+    assert (
+        main(
+            [
+                "--quiet",
+                "viz",
+                "--model",
+                tiny_model,
+                "--image",
+                str(tmp_path / "nope.jpg"),
+                "--method",
+                "tome",
+                "--r",
+                "2",
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.strip() == (
+        f"ltmp: error: no such image or folder: {tmp_path / 'nope.jpg'}; pass an image file or a folder of images"
+    )
     (tmp_path / "bad.jpg").write_text("not an image")
-    assert main(["--quiet", "viz", "--model", tiny_model, "--image", str(tmp_path / "bad.jpg"),
-                 "--method", "tome", "--r", "2"]) == 2
+    assert (
+        main(
+            [
+                "--quiet",
+                "viz",
+                "--model",
+                tiny_model,
+                "--image",
+                str(tmp_path / "bad.jpg"),
+                "--method",
+                "tome",
+                "--r",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "cannot read image" in capsys.readouterr().err
     folder = _images(tmp_path / "imgs", [(32, 32)])
     assert main(["--quiet", "viz", "--model", tiny_model, "--image", str(folder)]) == 2
-    assert capsys.readouterr().err.strip() == ("ltmp: error: pass --thresholds FILE or a fixed-rate --method "
-                                               "(tome, topk-prune, topk-mp) to compare")
+    assert capsys.readouterr().err.strip() == (
+        "ltmp: error: pass --thresholds FILE or a fixed-rate --method (tome, topk-prune, topk-mp) to compare"
+    )
 
 
-def test_analyze_counts_tokens_per_layer_and_kendall_tau_matches_a_direct_computation(
-        tiny_model, tiny_data, tmp_path):  # noqa: F811
+def test_analyze_counts_tokens_per_layer_and_kendall_tau_matches_a_direct_computation(tiny_model, tiny_data, tmp_path):  # noqa: F811
     out = tmp_path / "an"
-    assert main(["--quiet", "analyze", "--model", tiny_model, "--pretrained", "--data-dir", str(tiny_data),
-                 "--val-split", "val", "--method", "topk-mp", "--k", "3", "--kendall-k", "4", "--workers", "0",
-                 "--batch-size", "5", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--quiet",
+                "analyze",
+                "--model",
+                tiny_model,
+                "--pretrained",
+                "--data-dir",
+                str(tiny_data),
+                "--val-split",
+                "val",
+                "--method",
+                "topk-mp",
+                "--k",
+                "3",
+                "--kendall-k",
+                "4",
+                "--workers",
+                "0",
+                "--batch-size",
+                "5",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     for name in ("layers.png", "layers.json", "kendall.png", "kendall.json"):
         assert (out / name).stat().st_size > 0
     layers = json.loads((out / "layers.json").read_text())
@@ -97,17 +188,18 @@ def test_analyze_counts_tokens_per_layer_and_kendall_tau_matches_a_direct_comput
 
 def test_pareto_plots_eval_files_and_rejects_others(tmp_path, capsys):
     files = []
-    for i, (method, g, top1) in enumerate([("dense", 1.0, 80.0), ("ltmp", 0.7, 79.5), ("ltmp", 0.5, 78.0),
-                                           ("tome", 0.7, 79.0)]):
+    for i, (method, g, top1) in enumerate(
+        [("dense", 1.0, 80.0), ("ltmp", 0.7, 79.5), ("ltmp", 0.5, 78.0), ("tome", 0.7, 79.0)]
+    ):
         f = tmp_path / f"e{i}.json"
         f.write_text(json.dumps({"method": method, "gmacs": g, "top1": top1}))
         files.append(str(f))
     assert main(["pareto", *files, "--output", str(tmp_path / "p.png")]) == 0
     assert Image.open(tmp_path / "p.png").size[0] > 200
     points = json.loads((tmp_path / "p.json").read_text())
-    assert [(p["method"], p["gmacs"]) for p in points] == [("dense", 1.0), ("ltmp", 0.5), ("ltmp", 0.7),
-                                                           ("tome", 0.7)]
+    assert [(p["method"], p["gmacs"]) for p in points] == [("dense", 1.0), ("ltmp", 0.5), ("ltmp", 0.7), ("tome", 0.7)]
     (tmp_path / "x.json").write_text("{}")
     assert main(["pareto", str(tmp_path / "x.json"), "--output", str(tmp_path / "q.png")]) == 2
-    assert capsys.readouterr().err.strip() == (f"ltmp: error: {tmp_path / 'x.json'} is not an eval JSON "
-                                               f"(write one with ltmp eval --json FILE)")
+    assert capsys.readouterr().err.strip() == (
+        f"ltmp: error: {tmp_path / 'x.json'} is not an eval JSON (write one with ltmp eval --json FILE)"
+    )

@@ -6,6 +6,7 @@ Bonnaerens & Dambre, "Learned Thresholds Token Merging and Pruning for Vision Tr
     model = timm.create_model("deit_small_patch16_224", pretrained=True)
     ltmp.patch(model, method="ltmp", tau=0.1)   # train(): masked, differentiable; eval(): tokens removed
 """
+
 from __future__ import annotations
 
 from ._version import __version__ as __version__
@@ -17,7 +18,22 @@ from .record import Record, budget_loss, mean_r_flops, r_flops, stats
 from .thresholds import load_thresholds, read_thresholds, save_thresholds
 
 __all__ = [
-    "METHODS", "Execution", "LtmpError", "Record", "ViTSpec", "budget_loss", "dense_gmacs", "gmacs", "gmacs_executed",
-    "load_thresholds", "mean_r_flops", "patch", "r_flops", "read_thresholds", "save_thresholds", "stats", "unpatch",
+    "METHODS",
+    "Execution",
+    "LtmpError",
+    "Record",
+    "ViTSpec",
+    "budget_loss",
+    "dense_gmacs",
+    "gmacs",
+    "gmacs_executed",
+    "load_thresholds",
+    "mean_r_flops",
+    "patch",
+    "r_flops",
+    "read_thresholds",
+    "save_thresholds",
+    "stats",
+    "unpatch",
     "vit_spec",
 ]

@@ -1,5 +1,6 @@
 """Analysis over a dataset: how many tokens each layer merges and prunes (paper Figures 5 and 6), and how the
 importance scores of pruning rank against the similarity scores of merging (Kendall tau, Table 1)."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,9 @@ from .viz import save_figure
 
 
 @torch.no_grad()
-def layer_counts(model: nn.Module, loader, device: torch.device | str = "cpu",
-                 max_images: int | None = None) -> dict[str, np.ndarray]:
+def layer_counts(
+    model: nn.Module, loader, device: torch.device | str = "cpu", max_images: int | None = None
+) -> dict[str, np.ndarray]:
     """Per image and layer, the tokens merged and pruned by a patched model in eval mode.
 
     Returns:
@@ -42,8 +44,7 @@ def layer_counts(model: nn.Module, loader, device: torch.device | str = "cpu",
 
 
 @torch.no_grad()
-def kendall_tau(model: nn.Module, loader, device: torch.device | str = "cpu",
-                max_images: int | None = None) -> dict:
+def kendall_tau(model: nn.Module, loader, device: torch.device | str = "cpu", max_images: int | None = None) -> dict:
     """Kendall tau between the importance scores (pruning) and the similarity scores (merging) of the set-A tokens,
     per layer and image (paper Table 1, computed with :func:`scipy.stats.kendalltau`).
 
@@ -85,9 +86,11 @@ def kendall_tau(model: nn.Module, loader, device: torch.device | str = "cpu",
                 break
     finally:
         cfg.capture = None
-    return {"mean": [float(np.mean(t)) if t else None for t in taus],  # None: no layer with 2+ set-A tokens
-            "std": [float(np.std(t)) if t else None for t in taus],
-            "images": min(seen, max_images or seen)}
+    return {
+        "mean": [float(np.mean(t)) if t else None for t in taus],  # None: no layer with 2+ set-A tokens
+        "std": [float(np.std(t)) if t else None for t in taus],
+        "images": min(seen, max_images or seen),
+    }
 
 
 #: Images (spread over the set) on which ``ltmp train``, ``eval`` and ``analyze`` describe the allocation.
@@ -106,8 +109,9 @@ def image_batch(dataset, n: int = ALLOCATION_IMAGES) -> torch.Tensor:
 
 
 @torch.no_grad()
-def allocation(model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu", batch: int = 128,
-               shared: bool = True) -> dict:
+def allocation(
+    model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu", batch: int = 128, shared: bool = True
+) -> dict:
     """Where a model with learned thresholds reduces, block by block, on ``images`` (N, 3, H, W) in eval mode.
 
     - ``merged`` / ``pruned``: mean tokens per image each block merges away and prunes; ``*_frac``: the same as
@@ -140,7 +144,7 @@ def allocation(model: nn.Module, images: torch.Tensor, device: torch.device | st
     try:
         for i in range(0, len(images), batch):
             cfg.capture.clear()
-            model(images[i:i + batch].to(device))
+            model(images[i : i + batch].to(device))
             for c in cfg.capture:  # one entry per (block, operation)
                 th = float(getattr(blocks(model)[c.layer], f"{c.op}_threshold"))
                 scores = c.scores[c.candidates].double()
@@ -159,8 +163,9 @@ def allocation(model: nn.Module, images: torch.Tensor, device: torch.device | st
         out[key] = (counts[key] / n).tolist()
         out[f"{key}_frac"] = (counts[key] / n / patches).tolist()
     for op in ("merge", "prune"):
-        out[f"{op}_quantile"] = None if op not in cfg.ops else [
-            float(b / t) if t else None for b, t in zip(below[op], total[op])]
+        out[f"{op}_quantile"] = (
+            None if op not in cfg.ops else [float(b / t) if t else None for b, t in zip(below[op], total[op])]
+        )
     if shared:
         base = copy.deepcopy(model)
         for name, p in base.named_parameters():
@@ -173,24 +178,30 @@ def allocation(model: nn.Module, images: torch.Tensor, device: torch.device | st
         out["shared"]["threshold"] = float(getattr(blocks(base)[0], kind))
         ours = np.array(out["merged"] + out["pruned"])
         theirs = np.array(ref["merged"] + ref["pruned"])
-        out["reallocated"] = float(0.5 * np.abs(ours / max(ours.sum(), 1e-12) - theirs / max(theirs.sum(),
-                                                                                              1e-12)).sum())
+        out["reallocated"] = float(
+            0.5 * np.abs(ours / max(ours.sum(), 1e-12) - theirs / max(theirs.sum(), 1e-12)).sum()
+        )
     return out
 
 
 def format_allocation(a: dict) -> str:
     """The table of :func:`allocation`, one line per block."""
+
     def q(v: list | None, i: int) -> str:
         return "-" if v is None or v[i] is None else f"{v[i]:.3f}"
 
-    lines = [f"allocation on {a['images']} images (r_FLOPs {a['r_flops']:.3f}): tokens per image merged / pruned, "
-             f"thresholds as quantiles of their block's scores" + (", and one shared threshold at the same r_FLOPs"
-                                                                    if "shared" in a else "")]
+    lines = [
+        f"allocation on {a['images']} images (r_FLOPs {a['r_flops']:.3f}): tokens per image merged / pruned, "
+        f"thresholds as quantiles of their block's scores"
+        + (", and one shared threshold at the same r_FLOPs" if "shared" in a else "")
+    ]
     head = "block  merged  pruned  merge q  prune q"
     lines.append(head + ("   | shared: merged  pruned" if "shared" in a else ""))
     for i in range(len(a["merged"])):
-        row = (f"{i + 1:>5}  {a['merged'][i]:6.2f}  {a['pruned'][i]:6.2f}  {q(a['merge_quantile'], i):>7}  "
-               f"{q(a['prune_quantile'], i):>7}")
+        row = (
+            f"{i + 1:>5}  {a['merged'][i]:6.2f}  {a['pruned'][i]:6.2f}  {q(a['merge_quantile'], i):>7}  "
+            f"{q(a['prune_quantile'], i):>7}"
+        )
         if "shared" in a:
             row += f"   |         {a['shared']['merged'][i]:6.2f}  {a['shared']['pruned'][i]:6.2f}"
         lines.append(row)
@@ -199,16 +210,24 @@ def format_allocation(a: dict) -> str:
     method = a.get("method", "")
     for op, key in (("merge", "merged"), ("prune", "pruned")):  # an operation of the method that did nothing
         if op in METHODS.get(method, ((),))[0] and not any(a[key]):
-            lines.append(f"note: {method} {key} no token in any block on these images: it ran as "
-                         f"{'pruning' if op == 'merge' else 'merging'} alone")
+            lines.append(
+                f"note: {method} {key} no token in any block on these images: it ran as "
+                f"{'pruning' if op == 'merge' else 'merging'} alone"
+            )
     return "\n".join(lines)
 
 
 def summarize(counts: dict[str, np.ndarray]) -> dict[str, dict[str, list[float]]]:
     """Per-layer mean, quartiles and median of each count of :func:`layer_counts` (images x layers)."""
-    return {k: {"mean": v.mean(0).tolist(), "q25": np.percentile(v, 25, 0).tolist(),
-                "median": np.median(v, 0).tolist(), "q75": np.percentile(v, 75, 0).tolist()}
-            for k, v in counts.items()}
+    return {
+        k: {
+            "mean": v.mean(0).tolist(),
+            "q25": np.percentile(v, 25, 0).tolist(),
+            "median": np.median(v, 0).tolist(),
+            "q75": np.percentile(v, 75, 0).tolist(),
+        }
+        for k, v in counts.items()
+    }
 
 
 def plot_layer_boxes(counts: dict[str, np.ndarray], path: str | os.PathLike, title: str = "") -> None:
@@ -222,12 +241,24 @@ def plot_layer_boxes(counts: dict[str, np.ndarray], path: str | os.PathLike, tit
     pos = np.arange(1, depth + 1)
     fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * depth + 1.5), 3.4))
     for key, shift, colour in (("merged", -0.18, "tab:blue"), ("pruned", 0.18, "tab:orange")):
-        bp = ax.boxplot([counts[key][:, l] for l in range(depth)], positions=pos + shift, widths=0.32,
-                        patch_artist=True, showfliers=True, flierprops=dict(markersize=2, alpha=0.4))
+        bp = ax.boxplot(
+            [counts[key][:, l] for l in range(depth)],
+            positions=pos + shift,
+            widths=0.32,
+            patch_artist=True,
+            showfliers=True,
+            flierprops=dict(markersize=2, alpha=0.4),
+        )
         for box in bp["boxes"]:
             box.set(facecolor=colour, alpha=0.6)
-        ax.plot([], [], color=colour, lw=6, alpha=0.6, label=f"{key} (mean {counts[key].sum(1).mean():.1f} "
-                                                           f"tokens per image)")
+        ax.plot(
+            [],
+            [],
+            color=colour,
+            lw=6,
+            alpha=0.6,
+            label=f"{key} (mean {counts[key].sum(1).mean():.1f} tokens per image)",
+        )
     ax.set_xticks(pos, [str(p) for p in pos])
     ax.set_xlabel("layer")
     ax.set_ylabel("tokens removed in the layer")
@@ -248,8 +279,13 @@ def plot_kendall(result: dict, path: str | os.PathLike, title: str = "") -> None
     depth = len(result["mean"])
     fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * depth + 1.5), 3.2))
     nan = float("nan")
-    ax.errorbar(np.arange(1, depth + 1), [nan if v is None else v for v in result["mean"]],
-                yerr=[nan if v is None else v for v in result["std"]], marker="o", capsize=3)
+    ax.errorbar(
+        np.arange(1, depth + 1),
+        [nan if v is None else v for v in result["mean"]],
+        yerr=[nan if v is None else v for v in result["std"]],
+        marker="o",
+        capsize=3,
+    )
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("layer")
     ax.set_ylabel("Kendall tau")

@@ -1,5 +1,6 @@
 """Timing: warm-up, then repeated timed forwards; median and spread, and time ratios paired round by round. CUDA
 is synchronised around each timing."""
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,9 @@ def time_forward(model: nn.Module, x: torch.Tensor, warmup: int = 3, reps: int =
 
 
 @torch.no_grad()
-def compare_models(models: dict[str, nn.Module], x: torch.Tensor | list[torch.Tensor], warmup: int = 3,
-                   reps: int = 10, rounds: int = 3) -> dict[str, dict]:
+def compare_models(
+    models: dict[str, nn.Module], x: torch.Tensor | list[torch.Tensor], warmup: int = 3, reps: int = 10, rounds: int = 3
+) -> dict[str, dict]:
     """Time several models on the same input with interleaved repetitions (round-robin, each round starting one
     model later, so that none always runs first), so that drift of the machine affects them alike.
 
@@ -78,7 +80,7 @@ def compare_models(models: dict[str, nn.Module], x: torch.Tensor | list[torch.Te
     _sync(device)
     names = list(models)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             m = models[name]
             for _ in range(reps):
                 t = time.perf_counter()
@@ -101,9 +103,18 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "p25": q[0], "p75": q[2]}
 
 
-def bench_models(dense: nn.Module, reduced: nn.Module, batch: torch.Tensor, batch_sizes: Sequence[int], *,
-                 compile: bool = False, exported: nn.Module | None = None, warmup: int = 3, reps: int = 10,
-                 rounds: int = 3) -> dict:
+def bench_models(
+    dense: nn.Module,
+    reduced: nn.Module,
+    batch: torch.Tensor,
+    batch_sizes: Sequence[int],
+    *,
+    compile: bool = False,
+    exported: nn.Module | None = None,
+    warmup: int = 3,
+    reps: int = 10,
+    rounds: int = 3,
+) -> dict:
     """``ltmp bench``: latency and throughput of a reduced model against its dense original, with GMACs.
 
     Args:
@@ -119,10 +130,17 @@ def bench_models(dense: nn.Module, reduced: nn.Module, batch: torch.Tensor, batc
     """
     device = next(dense.parameters()).device
     spec = vit_spec(dense)
-    result = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "machine": platform.machine(), "allocator": allocator() if device.type == "cpu" else None,
-              "method": reduced.ltmp_config.method,
-              "gmacs_dense": dense_gmacs(spec), "compiled": compile, "runs": []}
+    result = {
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "allocator": allocator() if device.type == "cpu" else None,
+        "method": reduced.ltmp_config.method,
+        "gmacs_dense": dense_gmacs(spec),
+        "compiled": compile,
+        "runs": [],
+    }
     run_dense, run_reduced = dense, reduced
     if compile:  # both alike; the warm-up forwards compile (the first batch size's take longest)
         run_dense, run_reduced = compile_model(dense, device), compile_model(reduced, device)
@@ -138,13 +156,21 @@ def bench_models(dense: nn.Module, reduced: nn.Module, batch: torch.Tensor, batc
             models["exported"] = exported
         t = compare_models(models, x, warmup=warmup, reps=reps, rounds=rounds)
         ratio = paired_ratio(t, "reduced", "dense")  # round by round: drift of the machine cancels
-        run = {"batch_size": bs, "dense_ms": 1000 * t["dense"]["median"], "reduced_ms": 1000 * t["reduced"]["median"],
-               "dense_iqr_ms": [1000 * t["dense"]["p25"], 1000 * t["dense"]["p75"]],
-               "reduced_iqr_ms": [1000 * t["reduced"]["p25"], 1000 * t["reduced"]["p75"]],
-               "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
-               "gmacs": g_mean, "gmacs_ratio": g_mean / result["gmacs_dense"],
-               "gmacs_executed": g_exec, "gmacs_executed_ratio": g_exec / result["gmacs_dense"],
-               "throughput_dense": bs / t["dense"]["median"], "throughput_reduced": bs / t["reduced"]["median"]}
+        run = {
+            "batch_size": bs,
+            "dense_ms": 1000 * t["dense"]["median"],
+            "reduced_ms": 1000 * t["reduced"]["median"],
+            "dense_iqr_ms": [1000 * t["dense"]["p25"], 1000 * t["dense"]["p75"]],
+            "reduced_iqr_ms": [1000 * t["reduced"]["p25"], 1000 * t["reduced"]["p75"]],
+            "time_ratio": ratio["median"],
+            "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
+            "gmacs": g_mean,
+            "gmacs_ratio": g_mean / result["gmacs_dense"],
+            "gmacs_executed": g_exec,
+            "gmacs_executed_ratio": g_exec / result["gmacs_dense"],
+            "throughput_dense": bs / t["dense"]["median"],
+            "throughput_reduced": bs / t["reduced"]["median"],
+        }
         if "exported" in t:
             run["exported_ms"] = 1000 * t["exported"]["median"]
             run["exported_time_ratio"] = paired_ratio(t, "exported", "dense")["median"]
@@ -152,8 +178,17 @@ def bench_models(dense: nn.Module, reduced: nn.Module, batch: torch.Tensor, batc
     return result
 
 
-def bench_deployed(dense: nn.Module, reduced: nn.Module, images: torch.Tensor, runtime: str,
-                   threads: Sequence[int], *, warmup: int = 3, reps: int = 10, rounds: int = 5) -> dict:
+def bench_deployed(
+    dense: nn.Module,
+    reduced: nn.Module,
+    images: torch.Tensor,
+    runtime: str,
+    threads: Sequence[int],
+    *,
+    warmup: int = 3,
+    reps: int = 10,
+    rounds: int = 5,
+) -> dict:
     """``ltmp bench --deployed``: the dense and the reduced model exported the same way, loaded into a deployment
     runtime (:func:`ltmp.export.deploy`) and run one image at a time, as the paper timed DeiT-S on a phone; both
     in the same interleaved rounds (one repetition runs every image once), the time ratio paired round by round.
@@ -177,8 +212,9 @@ def bench_deployed(dense: nn.Module, reduced: nn.Module, images: torch.Tensor, r
     singles = [x[None] for x in images]  # (1, 3, H, W) each
     kept, diff, runs = [], {"dense": 0.0, "reduced": 0.0}, []
     with tempfile.TemporaryDirectory() as folder:
-        files = {name: deploy(m, singles[0], runtime, folder, name) for name, m in (("dense", dense),
-                                                                                   ("reduced", reduced))}
+        files = {
+            name: deploy(m, singles[0], runtime, folder, name) for name, m in (("dense", dense), ("reduced", reduced))
+        }
         for n in threads:
             models = {name: load_deployed(path, runtime, n) for name, path in files.items()}
             if not runs:
@@ -190,16 +226,36 @@ def bench_deployed(dense: nn.Module, reduced: nn.Module, images: torch.Tensor, r
                         kept.append(stats(reduced).kept)  # (1, L) of the eager reduced model, just run
             timed = compare_models(models, singles, warmup=warmup, reps=reps, rounds=rounds)
             ratio = paired_ratio(timed, "reduced", "dense")
-            runs.append({"threads": n, "time_ratio": ratio["median"], "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
-                         **{f"{name}_ms": {k: 1000 * timed[name][k] / len(singles) for k in ("median", "p25", "p75")}
-                            for name in models}})
+            runs.append(
+                {
+                    "threads": n,
+                    "time_ratio": ratio["median"],
+                    "time_ratio_iqr": [ratio["p25"], ratio["p75"]],
+                    **{
+                        f"{name}_ms": {k: 1000 * timed[name][k] / len(singles) for k in ("median", "p25", "p75")}
+                        for name in models
+                    },
+                }
+            )
         ops = {name: graph_ops(path) for name, path in files.items()} if RUNTIMES[runtime] == "onnx" else None
     g_mean = float(gmacs(spec, torch.cat(kept)).mean())
-    return {"runtime": runtime, "images": len(singles), "method": reduced.ltmp_config.method,
-            "machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "gmacs_dense": dense_gmacs(spec), "gmacs": g_mean,
-            "gmacs_ratio": g_mean / dense_gmacs(spec), "max_abs_diff_vs_eager": diff, "graph_ops": ops,
-            "rounds": rounds, "reps": reps, "runs": runs}
+    return {
+        "runtime": runtime,
+        "images": len(singles),
+        "method": reduced.ltmp_config.method,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "gmacs_dense": dense_gmacs(spec),
+        "gmacs": g_mean,
+        "gmacs_ratio": g_mean / dense_gmacs(spec),
+        "max_abs_diff_vs_eager": diff,
+        "graph_ops": ops,
+        "rounds": rounds,
+        "reps": reps,
+        "runs": runs,
+    }
 
 
 def graph_ops(path: Path) -> dict[str, int]:

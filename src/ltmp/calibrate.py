@@ -1,5 +1,6 @@
 """Training-free thresholds (``ltmp calibrate``; ``ltmp train --calibrate`` starts from them): bisection on a few
 images until eval-mode r_FLOPs (eq. 13) meet the target. Not in the paper."""
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,14 @@ from .record import r_flops
 from .runtime import amp_context
 
 
-def calibration_batch(model: nn.Module, root: str | os.PathLike, n: int, seed: int,
-                      indices: list[int] | None = None, classes: list[str] | None = None) -> torch.Tensor:
+def calibration_batch(
+    model: nn.Module,
+    root: str | os.PathLike,
+    n: int,
+    seed: int,
+    indices: list[int] | None = None,
+    classes: list[str] | None = None,
+) -> torch.Tensor:
     """The first ``n`` of a seeded shuffle of the images under ``root`` (or of ``indices`` into them), with the
     model's eval transform; unreadable images are left out."""
     _, eval_tf, _ = ldata.transforms_for(model, "none")
@@ -31,8 +38,16 @@ def calibration_batch(model: nn.Module, root: str | os.PathLike, n: int, seed: i
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, images: torch.Tensor, r_target: float, device: torch.device | str = "cpu",
-              iters: int = 18, batch: int = 128, mode: str = "shared", prune_share: float = 0.5) -> float:
+def calibrate(
+    model: nn.Module,
+    images: torch.Tensor,
+    r_target: float,
+    device: torch.device | str = "cpu",
+    iters: int = 18,
+    batch: int = 128,
+    mode: str = "shared",
+    prune_share: float = 0.5,
+) -> float:
     """Training-free thresholds, bisected until eval-mode r_FLOPs (eq. 13) on ``images`` match ``r_target``.
 
     - ``"shared"``: one value for every block. Methods that merge bisect the merge threshold (prune thresholds
@@ -92,8 +107,9 @@ def _bisect(r_at, lo: float, hi: float, increasing: bool, r_target: float, iters
     return r_at((lo + hi) / 2)
 
 
-def shift_to_budget(apply, r_now, increasing: bool, r_target: float, tolerance: float, step: float, span: float,
-                    max_evals: int = 8) -> tuple[float, float, int]:
+def shift_to_budget(
+    apply, r_now, increasing: bool, r_target: float, tolerance: float, step: float, span: float, max_evals: int = 8
+) -> tuple[float, float, int]:
     """Shift a set of thresholds by one amount until r_FLOPs meets ``r_target`` within ``tolerance``, with few
     evaluations (the per-step budget of ``ltmp train --budget projected``).
 
@@ -106,6 +122,7 @@ def shift_to_budget(apply, r_now, increasing: bool, r_target: float, tolerance: 
     Returns:
         The shift applied, its r_FLOPs and the number of evaluations.
     """
+
     def gap(shift: float) -> float:
         apply(shift)
         return r_now() - r_target
@@ -139,21 +156,30 @@ def shift_to_budget(apply, r_now, increasing: bool, r_target: float, tolerance: 
 
 
 @torch.no_grad()
-def mean_eval_r_flops(model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu",
-                      batch: int = 128, amp: str = "") -> float:
+def mean_eval_r_flops(
+    model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu", batch: int = 128, amp: str = ""
+) -> float:
     """Mean eval-mode r_FLOPs (eq. 13) of ``images`` (N, 3, H, W), in batches (under ``--amp``'s autocast)."""
     model.eval()
     total = 0.0
     for i in range(0, len(images), batch):
         with amp_context(amp, torch.device(device)):
-            model(images[i:i + batch].to(device))
+            model(images[i : i + batch].to(device))
         total += float(r_flops(model).sum())
     return total / len(images)
 
 
 @torch.no_grad()
-def settle(model: nn.Module, images: torch.Tensor, r_target: float, device: torch.device | str = "cpu",
-           tolerance: float = 0.01, iters: int = 18, batch: int = 128, amp: str = "") -> dict:
+def settle(
+    model: nn.Module,
+    images: torch.Tensor,
+    r_target: float,
+    device: torch.device | str = "cpu",
+    tolerance: float = 0.01,
+    iters: int = 18,
+    batch: int = 128,
+    amp: str = "",
+) -> dict:
     """Meet the budget on clean images after training: when eval-mode r_FLOPs on ``images`` miss ``r_target`` by
     more than ``tolerance``, shift the trained thresholds by one shared amount, bisected as :func:`calibrate`
     ``mode="shared"`` does (the merge thresholds for methods that merge, else the prune thresholds). The learned
@@ -199,8 +225,9 @@ def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: b
 
 
 @torch.no_grad()
-def score_spreads(model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu", batch: int = 128
-                  ) -> dict[str, float]:
+def score_spreads(
+    model: nn.Module, images: torch.Tensor, device: torch.device | str = "cpu", batch: int = 128
+) -> dict[str, float]:
     """The spread of the scores each kind of threshold compares, with nothing reduced: for ``merge_threshold`` the
     set-A tokens' best cosine similarity (eq. 1 on ToMe's matching), for ``prune_threshold`` the patch tokens'
     importance (eq. 16/17), each the root mean square over blocks of the standard deviation within a block, on
@@ -209,13 +236,14 @@ def score_spreads(model: nn.Module, images: torch.Tensor, device: torch.device |
     probe = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # it reduces nothing on purpose
-        patch(probe, "ltmp", importance=model.ltmp_config.importance, merge_threshold=math.inf,
-              prune_threshold=-math.inf)
+        patch(
+            probe, "ltmp", importance=model.ltmp_config.importance, merge_threshold=math.inf, prune_threshold=-math.inf
+        )
     probe.eval().to(device)
     cfg = probe.ltmp_config
     cfg.capture = []
     for i in range(0, len(images), batch):
-        probe(images[i:i + batch].to(device))
+        probe(images[i : i + batch].to(device))
     per_block: dict[tuple[str, int], list[Tensor]] = {}
     for c in cfg.capture:
         per_block.setdefault((c.op, c.layer), []).append(c.scores[c.candidates].double())

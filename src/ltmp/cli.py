@@ -1,4 +1,5 @@
 """The ``ltmp`` command: a thin argparse layer over the library (``python -m ltmp`` is the same)."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,30 +27,38 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"ltmp: error: {message} (see: {self.prog} --help)\n")
 
 
-def number(kind: type, low: float | None = None, high: float | None = None, low_open: bool = False,
-           high_open: bool = False):
+def number(
+    kind: type, low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False
+):
     """An argparse type: an int or finite float within [low, high] (open ends where asked); refused when parsed,
     not clamped later. Counts are >= 1 or >= 0, learning rates >= 0, tau > 0, fractions in their ranges."""
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"takes {'an integer' if kind is int else 'a number'}, got "
-                                             f"'{text}'") from None
+            raise argparse.ArgumentTypeError(
+                f"takes {'an integer' if kind is int else 'a number'}, got '{text}'"
+            ) from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"takes a finite number, got '{text}'")
+
         def show(bound):
             return f"{bound:g}" if isinstance(bound, float) else str(bound)
 
         below = low is not None and (value <= low if low_open else value < low)
         above = high is not None and (value >= high if high_open else value > high)
         if below or above:
-            where = (f"lie in {'(' if low_open else '['}{show(low)}, {show(high)}{')' if high_open else ']'}"
-                     if low is not None and high is not None else
-                     f"be {'>' if low_open else '>='} {show(low)}" if low is not None else
-                     f"be {'<' if high_open else '<='} {show(high)}")
+            where = (
+                f"lie in {'(' if low_open else '['}{show(low)}, {show(high)}{')' if high_open else ']'}"
+                if low is not None and high is not None
+                else f"be {'>' if low_open else '>='} {show(low)}"
+                if low is not None
+                else f"be {'<' if high_open else '<='} {show(high)}"
+            )
             raise argparse.ArgumentTypeError(f"must {where}, got {text}")
         return value
+
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
 
@@ -91,29 +100,46 @@ def _check_rates(model, flag: str):
     for layer, r in enumerate(cfg.rate):
         if not fits(r):
             cap = max(v for v in range(n + 1) if fits(v))
-            raise CLIError(f"{flag} {r} (block {layer + 1}) asks for more tokens than this model has: with its {n} "
-                           f"patch tokens, {cfg.method} removes at most {cap * per_token} per block ({flag} {cap}); "
-                           f"pass {flag} {cap} or less")
+            raise CLIError(
+                f"{flag} {r} (block {layer + 1}) asks for more tokens than this model has: with its {n} "
+                f"patch tokens, {cfg.method} removes at most {cap * per_token} per block ({flag} {cap}); "
+                f"pass {flag} {cap} or less"
+            )
     return model
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--model", required=required,
-                   help="timm model name (deit_small_patch16_224), local-dir:PATH, hf:DIR_OR_NAME or open_clip:ARCH"
-                        + ("" if required else " (default: the bundled CIFAR-10 ViT, pretrained)"))
-    p.add_argument("--pretrained", action="store_true",
-                   help="load timm's pretrained weights (local-dir: and hf: folders always load their own)")
+    p.add_argument(
+        "--model",
+        required=required,
+        help="timm model name (deit_small_patch16_224), local-dir:PATH, hf:DIR_OR_NAME or open_clip:ARCH"
+        + ("" if required else " (default: the bundled CIFAR-10 ViT, pretrained)"),
+    )
+    p.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="load timm's pretrained weights (local-dir: and hf: folders always load their own)",
+    )
     p.add_argument("--checkpoint", help="weights file: timm, torch or safetensors state dict")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", required=True,
-                   help="ImageFolder root with train/ and val/ splits, or a .tar.gz archive of that layout")
+    p.add_argument(
+        "--data-dir",
+        required=True,
+        help="ImageFolder root with train/ and val/ splits, or a .tar.gz archive of that layout",
+    )
     p.add_argument("--val-split", default="val", help="validation split folder (CIFAR-10 layout: test)")
     p.add_argument("--batch-size", type=COUNT, default=128)
     p.add_argument("--workers", type=WORKERS, default=2, help="data loader processes")
-    p.add_argument("--amp", nargs="?", const="auto", default="", choices=["auto", "bf16", "fp16"],
-                   help="mixed precision: bf16 where supported (CPU, recent GPUs), else fp16; or name it")
+    p.add_argument(
+        "--amp",
+        nargs="?",
+        const="auto",
+        default="",
+        choices=["auto", "bf16", "fp16"],
+        help="mixed precision: bf16 where supported (CPU, recent GPUs), else fp16; or name it",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
 
 
@@ -123,9 +149,11 @@ def cmd_flops(args) -> int:
 
     model = create_model(args.model)
     spec = vit_spec(model)
-    print(f"{args.model}: {dense_gmacs(spec):.3f} GMACs per image (fvcore convention, LayerNorm included), "
-          f"{spec.num_patches} patches + {spec.num_prefix} prefix tokens, depth {spec.depth}, "
-          f"embed dim {spec.embed_dim}")
+    print(
+        f"{args.model}: {dense_gmacs(spec):.3f} GMACs per image (fvcore convention, LayerNorm included), "
+        f"{spec.num_patches} patches + {spec.num_prefix} prefix tokens, depth {spec.depth}, "
+        f"embed dim {spec.embed_dim}"
+    )
     return 0
 
 
@@ -135,20 +163,53 @@ def train_config(args):
     from .train import TrainConfig
 
     given = dict(
-        model=args.model, pretrained=args.pretrained, checkpoint=args.checkpoint, data_dir=args.data_dir,
-        output=args.output, r_target=args.r_target, method=args.method, importance=args.importance, tau=args.tau,
-        lam=args.lam, budget=args.budget, optimizer=args.optimizer, lr_prune=args.lr_prune, lr_merge=args.lr_merge,
-        merge_init=args.merge_init, prune_init=args.prune_init, mask_grad=args.mask_grad, merge_grad=args.merge_grad,
-        calibrate=args.calibrate, distill=args.distill, settle=args.settle, batch_size=args.batch_size,
-        epochs=args.epochs, steps=args.steps, val_split=args.val_split, holdout=args.holdout,
-        max_train_images=args.max_train_images, augment=args.augment, amp=args.amp, seed=args.seed,
-        checkpoint_every=args.checkpoint_every, workers=args.workers, device=args.device, eval_after=not args.no_eval,
-        compile=args.compile, label_smoothing=args.label_smoothing, combine=args.combine,
-        importance_rows=args.importance_rows, train_order=args.train_order, budget_tokens=args.budget_tokens,
-        budget_pool=args.budget_pool, clamp=args.clamp)
+        model=args.model,
+        pretrained=args.pretrained,
+        checkpoint=args.checkpoint,
+        data_dir=args.data_dir,
+        output=args.output,
+        r_target=args.r_target,
+        method=args.method,
+        importance=args.importance,
+        tau=args.tau,
+        lam=args.lam,
+        budget=args.budget,
+        optimizer=args.optimizer,
+        lr_prune=args.lr_prune,
+        lr_merge=args.lr_merge,
+        merge_init=args.merge_init,
+        prune_init=args.prune_init,
+        mask_grad=args.mask_grad,
+        merge_grad=args.merge_grad,
+        calibrate=args.calibrate,
+        distill=args.distill,
+        settle=args.settle,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        steps=args.steps,
+        val_split=args.val_split,
+        holdout=args.holdout,
+        max_train_images=args.max_train_images,
+        augment=args.augment,
+        amp=args.amp,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        workers=args.workers,
+        device=args.device,
+        eval_after=not args.no_eval,
+        compile=args.compile,
+        label_smoothing=args.label_smoothing,
+        combine=args.combine,
+        importance_rows=args.importance_rows,
+        train_order=args.train_order,
+        budget_tokens=args.budget_tokens,
+        budget_pool=args.budget_pool,
+        clamp=args.clamp,
+    )
     # the recipe's values where an option was not given, TrainConfig's defaults for the rest
-    return TrainConfig(**{**RECIPES[args.recipe], **{k: v for k, v in given.items() if v is not None}},
-                       recipe=args.recipe)
+    return TrainConfig(
+        **{**RECIPES[args.recipe], **{k: v for k, v in given.items() if v is not None}}, recipe=args.recipe
+    )
 
 
 def cmd_train(args) -> int:
@@ -157,16 +218,26 @@ def cmd_train(args) -> int:
     cfg = train_config(args)
     result = train(cfg, resume=args.resume, progress=not args.quiet, overwrite=args.overwrite)
     if "thresholds" in result:
-        print(f"thresholds: {result['thresholds']}  (steps {result['steps']}, last batch r_FLOPs "
-              f"{result['r_flops']:.3f}, target {cfg.r_target})")
+        print(
+            f"thresholds: {result['thresholds']}  (steps {result['steps']}, last batch r_FLOPs "
+            f"{result['r_flops']:.3f}, target {cfg.r_target})"
+        )
     if "settle" in result:
         st = result["settle"]
-        print(f"settle: r_FLOPs {st['r_flops_trained']:.3f} on {st['on']}; "
-              + (f"shifted the thresholds by {st['shift']:+.4f} to {st['r_flops']:.3f}" if st["shift"] else
-                 "within 0.01 of the target, kept"))
+        print(
+            f"settle: r_FLOPs {st['r_flops_trained']:.3f} on {st['on']}; "
+            + (
+                f"shifted the thresholds by {st['shift']:+.4f} to {st['r_flops']:.3f}"
+                if st["shift"]
+                else "within 0.01 of the target, kept"
+            )
+        )
         if not st["met"]:
-            print(f"ltmp: warning: no shared shift reaches r_target {cfg.r_target} on these images (closest "
-                  f"{st['r_flops']:.3f}); retrain with another --lr-merge/--lr-prune or --method", file=sys.stderr)
+            print(
+                f"ltmp: warning: no shared shift reaches r_target {cfg.r_target} on these images (closest "
+                f"{st['r_flops']:.3f}); retrain with another --lr-merge/--lr-prune or --method",
+                file=sys.stderr,
+            )
     if "allocation" in result:
         from .analysis import format_allocation
 
@@ -178,10 +249,12 @@ def cmd_train(args) -> int:
 
 def format_eval(r: dict) -> str:
     lo, hi = r["top1_ci95"]
-    return (f"{r['method']}: top-1 {r['top1']:.2f}% (95% CI {lo:.2f}-{hi:.2f}), top-5 {r['top5']:.2f}%, "
-            f"{r['gmacs']:.4f} GMACs ({100 * r['gmacs_ratio']:.1f}% of dense {r['gmacs_dense']:.4f}), executed "
-            f"{r['gmacs_executed']:.4f} GMACs, r_FLOPs {r['r_flops']:.3f}, {r['images']} images"
-            + (f", {r['skipped']} unreadable skipped" if r["skipped"] else ""))
+    return (
+        f"{r['method']}: top-1 {r['top1']:.2f}% (95% CI {lo:.2f}-{hi:.2f}), top-5 {r['top5']:.2f}%, "
+        f"{r['gmacs']:.4f} GMACs ({100 * r['gmacs_ratio']:.1f}% of dense {r['gmacs_dense']:.4f}), executed "
+        f"{r['gmacs_executed']:.4f} GMACs, r_FLOPs {r['r_flops']:.3f}, {r['images']} images"
+        + (f", {r['skipped']} unreadable skipped" if r["skipped"] else "")
+    )
 
 
 def _eval_json(path: str, flag: str) -> dict:
@@ -189,12 +262,15 @@ def _eval_json(path: str, flag: str) -> dict:
     try:
         res = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise CLIError(f"{flag} {path}: cannot read it as JSON ({type(e).__name__}); pass an eval.json written by "
-                       f"ltmp eval --json or ltmp train") from None
+        raise CLIError(
+            f"{flag} {path}: cannot read it as JSON ({type(e).__name__}); pass an eval.json written by "
+            f"ltmp eval --json or ltmp train"
+        ) from None
     missing = [k for k in ("gmacs", "correct", "method", "top1") if k not in res]
     if missing:
-        raise CLIError(f"{flag} {path} has no '{missing[0]}'; pass an eval.json written by ltmp eval --json or "
-                       f"ltmp train")
+        raise CLIError(
+            f"{flag} {path} has no '{missing[0]}'; pass an eval.json written by ltmp eval --json or ltmp train"
+        )
     return res
 
 
@@ -213,16 +289,19 @@ def cmd_eval(args) -> int:
         followed = _eval_json(args.follow, "--follow")
         shape = [layer["merged"] + layer["pruned"] for layer in followed["per_layer"]]
         gmacs = followed["gmacs"] if gmacs is None else gmacs
-    model = _reduced_model(args, create_model(args.model, args.pretrained, args.checkpoint,
-                                              (args.data_dir, args.val_split)), gmacs, dense_ok=True, shape=shape)
+    model = _reduced_model(
+        args,
+        create_model(args.model, args.pretrained, args.checkpoint, (args.data_dir, args.val_split)),
+        gmacs,
+        dense_ok=True,
+        shape=shape,
+    )
     dataset = ldata.eval_set(model, args.data_dir, args.val_split, args.max_images)
-    loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
-                        collate_fn=ldata.collate_skip)
+    loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers, collate_fn=ldata.collate_skip)
     device = pick_device(args.device)
     if args.compile:
         model = compile_model(model, device)
-    result = evaluate(model, loader, device, amp=args.amp, progress=not args.quiet,
-                      model_name=args.model)
+    result = evaluate(model, loader, device, amp=args.amp, progress=not args.quiet, model_name=args.model)
     result["thresholds"] = args.thresholds
     print(format_eval(result))
     if getattr(model, "ltmp_config", None) is not None and model.ltmp_config.learned:
@@ -238,9 +317,11 @@ def cmd_eval(args) -> int:
 
         test = mcnemar(result["correct"], other["correct"])
         result["paired_test"] = {"against": args.compare, **test}
-        print(f"paired McNemar test against {args.compare} ({other['method']}, top-1 {other['top1']:.2f}%): "
-              f"{test['only_a_correct']} images only this run got right, {test['only_b_correct']} only the other; "
-              f"p = {test['p_value']:.4f}")
+        print(
+            f"paired McNemar test against {args.compare} ({other['method']}, top-1 {other['top1']:.2f}%): "
+            f"{test['only_a_correct']} images only this run got right, {test['only_b_correct']} only the other; "
+            f"p = {test['p_value']:.4f}"
+        )
     if args.json:
         from .thresholds import write_json
 
@@ -248,8 +329,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _reduced_model(args, model, gmacs: float | None = None, dense_ok: bool = False,
-                   shape: list[float] | None = None):
+def _reduced_model(args, model, gmacs: float | None = None, dense_ok: bool = False, shape: list[float] | None = None):
     """``model`` with the reduction that --thresholds or --method/--r/--k name; with ``gmacs``, a fixed-rate
     method gets the per-layer schedule closest to those GMACs instead of --r/--k (spread like ``shape``, see
     ``rate_schedule``). ``dense_ok``: no reduction named (or ``--method dense``) returns ``model`` as it is."""
@@ -299,32 +379,56 @@ def cmd_bench(args) -> int:
         g = torch.Generator().manual_seed(0)
         batch = torch.randn(n, *dense.pretrained_cfg.get("input_size", (3, 224, 224)), generator=g)
         if reduced.ltmp_config.learned:
-            print("ltmp: note: timing on random inputs (no --data-dir); learned thresholds keep as many tokens as "
-                  "each image needs, so pass --data-dir DIR to time real images", file=sys.stderr)
+            print(
+                "ltmp: note: timing on random inputs (no --data-dir); learned thresholds keep as many tokens as "
+                "each image needs, so pass --data-dir DIR to time real images",
+                file=sys.stderr,
+            )
     if args.deployed:
         return _bench_deployed(args, dense.cpu(), reduced.cpu(), batch)
-    result = {"model": args.model, "inputs": args.data_dir or "random", **bench_models(
-        dense, reduced, batch, sorted({1, args.batch_size}), compile=args.compile, exported=exported,
-        warmup=args.warmup, reps=args.reps, rounds=args.rounds)}
+    result = {
+        "model": args.model,
+        "inputs": args.data_dir or "random",
+        **bench_models(
+            dense,
+            reduced,
+            batch,
+            sorted({1, args.batch_size}),
+            compile=args.compile,
+            exported=exported,
+            warmup=args.warmup,
+            reps=args.reps,
+            rounds=args.rounds,
+        ),
+    }
     if args.compile:
         print("ltmp: both models were compiled with torch.compile during the warm-up forwards", file=sys.stderr)
     if result["allocator"] == GLIBC_DEFAULTS:
-        print("ltmp: note: glibc malloc's defaults give large tensors fresh pages on every forward, which slows the "
-              f"dense model most; for serving-like CPU timings set {GLIBC_KEEP_MEMORY} (docs/performance.md, "
-              "Memory allocator)", file=sys.stderr)
+        print(
+            "ltmp: note: glibc malloc's defaults give large tensors fresh pages on every forward, which slows the "
+            f"dense model most; for serving-like CPU timings set {GLIBC_KEEP_MEMORY} (docs/performance.md, "
+            "Memory allocator)",
+            file=sys.stderr,
+        )
     for run in result["runs"]:
         if "exported_ms" in run:
-            print(f"batch 1: exported {args.exported} {run['exported_ms']:.2f} ms, time ratio "
-                  f"{run['exported_time_ratio']:.3f}")
-        print(f"batch {run['batch_size']}: dense {run['dense_ms']:.2f} ms, {result['method']} "
-              f"{run['reduced_ms']:.2f} ms (IQR {run['reduced_iqr_ms'][0]:.2f}-{run['reduced_iqr_ms'][1]:.2f}); "
-              f"time ratio {run['time_ratio']:.3f} (IQR {run['time_ratio_iqr'][0]:.3f}-"
-              f"{run['time_ratio_iqr'][1]:.3f}), GMACs ratio {run['gmacs_ratio']:.3f} (executed "
-              f"{run['gmacs_executed_ratio']:.3f}); throughput dense {run['throughput_dense']:.1f}, "
-              f"{result['method']} {run['throughput_reduced']:.1f} img/s")
-    print(f"{result['device']}, {result['threads']} threads, torch {result['torch']}"
-          + (f", {result['allocator']}" if result["allocator"] else "")
-          + (", both models under torch.compile" if args.compile else ""))
+            print(
+                f"batch 1: exported {args.exported} {run['exported_ms']:.2f} ms, time ratio "
+                f"{run['exported_time_ratio']:.3f}"
+            )
+        print(
+            f"batch {run['batch_size']}: dense {run['dense_ms']:.2f} ms, {result['method']} "
+            f"{run['reduced_ms']:.2f} ms (IQR {run['reduced_iqr_ms'][0]:.2f}-{run['reduced_iqr_ms'][1]:.2f}); "
+            f"time ratio {run['time_ratio']:.3f} (IQR {run['time_ratio_iqr'][0]:.3f}-"
+            f"{run['time_ratio_iqr'][1]:.3f}), GMACs ratio {run['gmacs_ratio']:.3f} (executed "
+            f"{run['gmacs_executed_ratio']:.3f}); throughput dense {run['throughput_dense']:.1f}, "
+            f"{result['method']} {run['throughput_reduced']:.1f} img/s"
+        )
+    print(
+        f"{result['device']}, {result['threads']} threads, torch {result['torch']}"
+        + (f", {result['allocator']}" if result["allocator"] else "")
+        + (", both models under torch.compile" if args.compile else "")
+    )
     if args.json:
         from .thresholds import write_json
 
@@ -337,18 +441,33 @@ def _bench_deployed(args, dense, reduced, images) -> int:
 
     from .bench import bench_deployed
 
-    r = {"model": args.model, "inputs": args.data_dir or "random", **bench_deployed(
-        dense, reduced, images, args.deployed, [args.threads or torch.get_num_threads()], warmup=args.warmup,
-        reps=args.reps, rounds=args.rounds)}
+    r = {
+        "model": args.model,
+        "inputs": args.data_dir or "random",
+        **bench_deployed(
+            dense,
+            reduced,
+            images,
+            args.deployed,
+            [args.threads or torch.get_num_threads()],
+            warmup=args.warmup,
+            reps=args.reps,
+            rounds=args.rounds,
+        ),
+    }
     for run in r["runs"]:
         d, m, n = run["dense_ms"], run["reduced_ms"], run["threads"]
-        print(f"deployed in {args.deployed} ({n} thread{'s' * (n > 1)}), batch 1 over {r['images']} images, "
-              f"{r['rounds']} rounds: dense {d['median']:.2f} ms (IQR {d['p25']:.2f}-{d['p75']:.2f}), {r['method']} "
-              f"{m['median']:.2f} ms (IQR {m['p25']:.2f}-{m['p75']:.2f}) per image; time ratio {run['time_ratio']:.3f} "
-              f"(IQR {run['time_ratio_iqr'][0]:.3f}-{run['time_ratio_iqr'][1]:.3f}), GMACs ratio "
-              f"{r['gmacs_ratio']:.3f}")
-    print(f"largest |logit difference| from eager: dense {r['max_abs_diff_vs_eager']['dense']:.1e}, "
-          f"{r['method']} {r['max_abs_diff_vs_eager']['reduced']:.1e}; {r['machine']}, torch {r['torch']}")
+        print(
+            f"deployed in {args.deployed} ({n} thread{'s' * (n > 1)}), batch 1 over {r['images']} images, "
+            f"{r['rounds']} rounds: dense {d['median']:.2f} ms (IQR {d['p25']:.2f}-{d['p75']:.2f}), {r['method']} "
+            f"{m['median']:.2f} ms (IQR {m['p25']:.2f}-{m['p75']:.2f}) per image; time ratio {run['time_ratio']:.3f} "
+            f"(IQR {run['time_ratio_iqr'][0]:.3f}-{run['time_ratio_iqr'][1]:.3f}), GMACs ratio "
+            f"{r['gmacs_ratio']:.3f}"
+        )
+    print(
+        f"largest |logit difference| from eager: dense {r['max_abs_diff_vs_eager']['dense']:.1e}, "
+        f"{r['method']} {r['max_abs_diff_vs_eager']['reduced']:.1e}; {r['machine']}, torch {r['torch']}"
+    )
     if args.json:
         from .thresholds import write_json
 
@@ -387,8 +506,12 @@ def cmd_viz(args) -> int:
     cfg = timm.data.resolve_data_config(model=model)
     rows = [(label, denormalize(x, cfg["mean"], cfg["std"]), layer_groups(model, x)) for label, x in images]
     what = Path(args.thresholds).name if args.thresholds else f"{args.method} {args.r or args.k}"
-    plot_layers(rows, args.output, title=f"{name}, {model.ltmp_config.method} ({what}): each merged group in its "
-                                         f"mean colour, pruned patches dark grey")
+    plot_layers(
+        rows,
+        args.output,
+        title=f"{name}, {model.ltmp_config.method} ({what}): each merged group in its "
+        f"mean colour, pruned patches dark grey",
+    )
     print(f"wrote {args.output} ({len(rows)} images x {len(rows[0][2])} layers)")
     return 0
 
@@ -425,20 +548,32 @@ def cmd_analyze(args) -> int:
         model = _reduced_model(args, copy.deepcopy(dense))
         counts = layer_counts(model, loader, device, args.max_images)
         method = model.ltmp_config.method
-        summary = {"model": name, "method": method, "thresholds": args.thresholds, "images": len(counts["kept"]),
-                   **summarize(counts)}
+        summary = {
+            "model": name,
+            "method": method,
+            "thresholds": args.thresholds,
+            "images": len(counts["kept"]),
+            **summarize(counts),
+        }
         if model.ltmp_config.learned:
             summary["allocation"] = allocation(model, image_batch(dataset), device, args.batch_size)
             print(format_allocation(summary["allocation"]))
-        plot_layer_boxes(counts, out / "layers.png",
-                         title=f"{name}, {method}: tokens removed per layer over {summary['images']} images")
+        plot_layer_boxes(
+            counts,
+            out / "layers.png",
+            title=f"{name}, {method}: tokens removed per layer over {summary['images']} images",
+        )
         write_json(out / "layers.json", summary)
         written += ["layers.png", "layers.json"]
     k = args.kendall_k
     model = _check_rates(patch(copy.deepcopy(dense), "topk-mp", k=k), "--kendall-k")
     tau = {"model": name, "method": f"topk-mp k={k}", **kendall_tau(model, loader, device, args.max_images)}
-    plot_kendall(tau, out / "kendall.png", title=f"{name}: importance vs similarity of set-A tokens\n{k} merged + "
-                                                f"{k} pruned per layer, mean +- std over {tau['images']} images")
+    plot_kendall(
+        tau,
+        out / "kendall.png",
+        title=f"{name}: importance vs similarity of set-A tokens\n{k} merged + "
+        f"{k} pruned per layer, mean +- std over {tau['images']} images",
+    )
     write_json(out / "kendall.json", tau)
     written += ["kendall.png", "kendall.json"]
     print("Kendall tau per layer: " + " ".join("-" if t is None else f"{t:.2f}" for t in tau["mean"]))
@@ -466,10 +601,15 @@ def cmd_calibrate(args) -> int:
     images = calibration_batch(model, root / "train" if (root / "train").is_dir() else root, args.images, args.seed)
     device = pick_device(args.device)
     r = calibrate(model.to(device), images, args.r_target, device, mode=args.mode)
-    save_thresholds(model, args.output, extra={"calibrated": f"{args.mode} on {len(images)} train images, "
-                                                                  f"r_target {args.r_target}, r_FLOPs {r:.4f}"})
-    print(f"{args.output}: {args.method} thresholds calibrated without training ({args.mode}) on {len(images)} "
-          f"training images of {name}: r_FLOPs {r:.3f} for r_target {args.r_target}")
+    save_thresholds(
+        model,
+        args.output,
+        extra={"calibrated": f"{args.mode} on {len(images)} train images, r_target {args.r_target}, r_FLOPs {r:.4f}"},
+    )
+    print(
+        f"{args.output}: {args.method} thresholds calibrated without training ({args.mode}) on {len(images)} "
+        f"training images of {name}: r_FLOPs {r:.3f} for r_target {args.r_target}"
+    )
     return 0
 
 
@@ -521,21 +661,43 @@ def cmd_demo(args) -> int:
     for t in targets:
         if not 0 < t <= 1:
             raise CLIError(f"--targets must lie in (0, 1], got {t}")
-    run_demo(DemoConfig(output=args.output, model=args.model, pretrained=args.pretrained or args.model is None,
-                        checkpoint=args.checkpoint, data_dir=args.data_dir, val_split=args.val_split,
-                        targets=targets, epochs=args.epochs, batch_size=args.batch_size,
-                        max_val_images=args.max_images, workers=args.workers), progress=not args.quiet)
+    run_demo(
+        DemoConfig(
+            output=args.output,
+            model=args.model,
+            pretrained=args.pretrained or args.model is None,
+            checkpoint=args.checkpoint,
+            data_dir=args.data_dir,
+            val_split=args.val_split,
+            targets=targets,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            max_val_images=args.max_images,
+            workers=args.workers,
+        ),
+        progress=not args.quiet,
+    )
     return 0
 
 
 def cmd_pretrain(args) -> int:
     from .pretrain import PretrainConfig, pretrain
 
-    res = pretrain(PretrainConfig(data_dir=args.data_dir, output=args.output, epochs=args.epochs,
-                                  stop_after_epoch=args.stop_after_epoch, batch_size=args.batch_size,
-                                  val_split=args.val_split,
-                                  workers=args.workers, amp=args.amp, device=args.device, seed=args.seed),
-                   progress=not args.quiet)
+    res = pretrain(
+        PretrainConfig(
+            data_dir=args.data_dir,
+            output=args.output,
+            epochs=args.epochs,
+            stop_after_epoch=args.stop_after_epoch,
+            batch_size=args.batch_size,
+            val_split=args.val_split,
+            workers=args.workers,
+            amp=args.amp,
+            device=args.device,
+            seed=args.seed,
+        ),
+        progress=not args.quiet,
+    )
     print(json.dumps(res))
     return 0
 
@@ -560,64 +722,122 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--r-target", type=RATE, required=True, help="FLOPs reduction target in (0, 1] (eq. 14)")
     t.add_argument("--method", default="ltmp", choices=LEARNED)
     t.add_argument("--importance", default="mean", choices=["mean", "cls"])
-    t.add_argument("--recipe", default="default", choices=list(RECIPES),
-                   help="paper: every point of the reference code's training recipe (docs/training.md), for the "
-                        "options not given")
+    t.add_argument(
+        "--recipe",
+        default="default",
+        choices=list(RECIPES),
+        help="paper: every point of the reference code's training recipe (docs/training.md), for the options not given",
+    )
     t.add_argument("--tau", type=POSITIVE, help="temperature of eq. 2's sigmoid (> 0; default 0.1)")
     t.add_argument("--lam", type=NONNEG, help="lambda of eq. 15 (default 10)")
-    t.add_argument("--budget", default="penalty", choices=["penalty", "constraint", "projected"],
-                   help="penalty: lambda (r - r_target)^2 (the paper); constraint: plus a multiplier raised by "
-                        "dual ascent until r_FLOPs meets the target; projected: steps along the budget's level "
-                        "set (the task loss decides where to reduce), then one shared shift meets the target on "
-                        "each batch")
-    t.add_argument("--lr-prune", type=NONNEG,
-                   help="prune thresholds' learning rate (sgd: the merge rate times the squared ratio of the "
-                        "scores' spreads; adam: 2e-4)")
-    t.add_argument("--lr-merge", type=NONNEG,
-                   help="merge thresholds' learning rate (sgd: the paper's 5e-3 times 9809 / steps; adam: 2e-3)")
-    t.add_argument("--optimizer", choices=["sgd", "adam", "group"],
-                   help="sgd (the paper's, no momentum; its learning rates scaled to the run's length), adam "
-                        "(each threshold's step normalised by its gradient) or group (normalised per group: "
-                        "merge, prune); default: adam for --method ltp, sgd for the methods that merge")
-    t.add_argument("--merge-init", type=FINITE,
-                   help="initial merge thresholds (default 1.0: no reduction; the paper's code: 0.9)")
+    t.add_argument(
+        "--budget",
+        default="penalty",
+        choices=["penalty", "constraint", "projected"],
+        help="penalty: lambda (r - r_target)^2 (the paper); constraint: plus a multiplier raised by "
+        "dual ascent until r_FLOPs meets the target; projected: steps along the budget's level "
+        "set (the task loss decides where to reduce), then one shared shift meets the target on "
+        "each batch",
+    )
+    t.add_argument(
+        "--lr-prune",
+        type=NONNEG,
+        help="prune thresholds' learning rate (sgd: the merge rate times the squared ratio of the "
+        "scores' spreads; adam: 2e-4)",
+    )
+    t.add_argument(
+        "--lr-merge",
+        type=NONNEG,
+        help="merge thresholds' learning rate (sgd: the paper's 5e-3 times 9809 / steps; adam: 2e-3)",
+    )
+    t.add_argument(
+        "--optimizer",
+        choices=["sgd", "adam", "group"],
+        help="sgd (the paper's, no momentum; its learning rates scaled to the run's length), adam "
+        "(each threshold's step normalised by its gradient) or group (normalised per group: "
+        "merge, prune); default: adam for --method ltp, sgd for the methods that merge",
+    )
+    t.add_argument(
+        "--merge-init", type=FINITE, help="initial merge thresholds (default 1.0: no reduction; the paper's code: 0.9)"
+    )
     t.add_argument("--prune-init", type=FINITE, help="initial prune thresholds (default 0)")
-    t.add_argument("--mask-grad", choices=["secant", "clamp", "eps"],
-                   help="bounded form of eq. 6's gradient to removed tokens' masks (default secant; eps: the "
-                        "reference code's)")
-    t.add_argument("--merge-grad", choices=["average", "mask"],
-                   help="merge thresholds learn through the masks and merged averages (default), or the masks only")
-    t.add_argument("--calibrate", action="store_true",
-                   help="start from thresholds bisected to hit --r-target on 256 training images")
-    t.add_argument("--settle", action=argparse.BooleanOptionalAction,
-                   help="when r_FLOPs on clean held-out (or training) images miss --r-target by more than 0.01, one "
-                        "shared shift settles the trained thresholds (default: on; --no-settle keeps them)")
-    g = t.add_argument_group("recipe points", "where the paper's recipe (--recipe paper) and the default differ; "
-                                              "docs/training.md measures each")
-    g.add_argument("--label-smoothing", type=number(float, 0, 1, high_open=True),
-                   help="of the cross-entropy (default 0; the reference code: 0.1)")
-    g.add_argument("--combine", choices=CHOICES["combine"],
-                   help="a set-A token that merging and pruning both decide on: the product of their masks "
-                        "(default), or the prune mask overwrites the merge mask (the reference code)")
-    g.add_argument("--importance-rows", choices=CHOICES["importance_rows"],
-                   help="eq. 17 in training over the surviving query rows (default, as eval) or all rows")
-    g.add_argument("--train-order", choices=CHOICES["train_order"],
-                   help="in training, tokens keep their positions (default, as eval) or are reordered set A, set B "
-                        "after every block, with A/B over all positions (the reference code)")
-    g.add_argument("--budget-tokens", choices=CHOICES["budget_tokens"],
-                   help="n of eq. 13: the patch tokens (default, the paper) or all tokens (the reference code)")
-    g.add_argument("--budget-pool", choices=CHOICES["budget_pool"],
-                   help="the budget's r_FLOPs: the mean of each image's (default) or that of the batch's mean masks "
-                        "(the reference code)")
-    g.add_argument("--clamp", choices=CHOICES["clamp"],
-                   help="thresholds within their scores' range (default; merge [-1, 1]) or [0, 1] (the reference)")
-    t.add_argument("--distill", type=number(float, 0, 1), metavar="W",
-                   help="weight of distillation from the unreduced model's logits in the task loss (0: labels "
-                        "only, the paper; 1: teacher only)")
+    t.add_argument(
+        "--mask-grad",
+        choices=["secant", "clamp", "eps"],
+        help="bounded form of eq. 6's gradient to removed tokens' masks (default secant; eps: the reference code's)",
+    )
+    t.add_argument(
+        "--merge-grad",
+        choices=["average", "mask"],
+        help="merge thresholds learn through the masks and merged averages (default), or the masks only",
+    )
+    t.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="start from thresholds bisected to hit --r-target on 256 training images",
+    )
+    t.add_argument(
+        "--settle",
+        action=argparse.BooleanOptionalAction,
+        help="when r_FLOPs on clean held-out (or training) images miss --r-target by more than 0.01, one "
+        "shared shift settles the trained thresholds (default: on; --no-settle keeps them)",
+    )
+    g = t.add_argument_group(
+        "recipe points",
+        "where the paper's recipe (--recipe paper) and the default differ; docs/training.md measures each",
+    )
+    g.add_argument(
+        "--label-smoothing",
+        type=number(float, 0, 1, high_open=True),
+        help="of the cross-entropy (default 0; the reference code: 0.1)",
+    )
+    g.add_argument(
+        "--combine",
+        choices=CHOICES["combine"],
+        help="a set-A token that merging and pruning both decide on: the product of their masks "
+        "(default), or the prune mask overwrites the merge mask (the reference code)",
+    )
+    g.add_argument(
+        "--importance-rows",
+        choices=CHOICES["importance_rows"],
+        help="eq. 17 in training over the surviving query rows (default, as eval) or all rows",
+    )
+    g.add_argument(
+        "--train-order",
+        choices=CHOICES["train_order"],
+        help="in training, tokens keep their positions (default, as eval) or are reordered set A, set B "
+        "after every block, with A/B over all positions (the reference code)",
+    )
+    g.add_argument(
+        "--budget-tokens",
+        choices=CHOICES["budget_tokens"],
+        help="n of eq. 13: the patch tokens (default, the paper) or all tokens (the reference code)",
+    )
+    g.add_argument(
+        "--budget-pool",
+        choices=CHOICES["budget_pool"],
+        help="the budget's r_FLOPs: the mean of each image's (default) or that of the batch's mean masks "
+        "(the reference code)",
+    )
+    g.add_argument(
+        "--clamp",
+        choices=CHOICES["clamp"],
+        help="thresholds within their scores' range (default; merge [-1, 1]) or [0, 1] (the reference)",
+    )
+    t.add_argument(
+        "--distill",
+        type=number(float, 0, 1),
+        metavar="W",
+        help="weight of distillation from the unreduced model's logits in the task loss (0: labels "
+        "only, the paper; 1: teacher only)",
+    )
     t.add_argument("--epochs", type=POSITIVE, help="passes over the training images (default 1)")
     t.add_argument("--steps", type=COUNT, help="optimizer steps (overrides --epochs)")
-    t.add_argument("--holdout", type=number(float, 0, 1, high_open=True),
-                   help="fraction of train held out for validation (default 0; the same images for every --seed)")
+    t.add_argument(
+        "--holdout",
+        type=number(float, 0, 1, high_open=True),
+        help="fraction of train held out for validation (default 0; the same images for every --seed)",
+    )
     t.add_argument("--max-train-images", type=COUNT, help="train on a fixed random subset of this size")
     t.add_argument("--augment", choices=AUGMENTS, help="training augmentation (default timm)")
     t.add_argument("--seed", type=SEED, default=0)
@@ -635,19 +855,28 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--method", choices=["dense", *FIXED_RATE, *LEARNED])
     e.add_argument("--r", help="ToMe: tokens merged per layer, an int or a per-layer list 6,6,5,...")
     e.add_argument("--k", help="top-k baselines: tokens per layer, an int or a per-layer list")
-    e.add_argument("--match-gmacs", type=POSITIVE,
-                   help="fixed-rate methods: pick the per-layer r (or k) schedule closest to these GMACs")
+    e.add_argument(
+        "--match-gmacs",
+        type=POSITIVE,
+        help="fixed-rate methods: pick the per-layer r (or k) schedule closest to these GMACs",
+    )
     e.add_argument("--match", help="fixed-rate methods: match the GMACs of this eval JSON")
-    e.add_argument("--follow", metavar="EVAL_JSON",
-                   help="fixed-rate methods: spread the rate over the layers like the tokens this run removed per "
-                        "layer, at its GMACs (or those of --match/--match-gmacs): its allocation, without "
-                        "per-image adaptivity")
+    e.add_argument(
+        "--follow",
+        metavar="EVAL_JSON",
+        help="fixed-rate methods: spread the rate over the layers like the tokens this run removed per "
+        "layer, at its GMACs (or those of --match/--match-gmacs): its allocation, without "
+        "per-image adaptivity",
+    )
     e.add_argument("--compare", help="eval JSON of another run on the same images: paired McNemar test")
     e.add_argument("--max-images", type=COUNT, help="evaluate N images spread evenly over the split")
     e.add_argument("--json", help="write the full result here")
     e.add_argument("--overwrite", action="store_true", help=OVERWRITE)
-    e.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (dynamic shapes for reduced models); the first batches compile")
+    e.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (dynamic shapes for reduced models); the first batches compile",
+    )
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="latency at batch 1 and throughput at batch N against the dense model")
@@ -655,22 +884,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reduction_args(b)
     b.add_argument("--batch-size", type=COUNT, default=32, help="throughput batch (batch 1 is always timed)")
     b.add_argument("--exported", help="also time this ltmp export file (.pt2 or TorchScript) at batch 1")
-    b.add_argument("--deployed", choices=["onnx", "openvino", "aoti"],
-                   help="time both models exported and run in a deployment runtime, one image at a time: ONNX "
-                        "Runtime (CPU), OpenVINO (CPU) or AOTInductor (needs a C++ compiler); docs/deploy.md")
+    b.add_argument(
+        "--deployed",
+        choices=["onnx", "openvino", "aoti"],
+        help="time both models exported and run in a deployment runtime, one image at a time: ONNX "
+        "Runtime (CPU), OpenVINO (CPU) or AOTInductor (needs a C++ compiler); docs/deploy.md",
+    )
     b.add_argument("--images", type=COUNT, default=60, help="--deployed: images each repetition runs in turn")
     b.add_argument("--data-dir", help="time on the first images of this eval split (default: random input)")
     b.add_argument("--val-split", default="val")
     b.add_argument("--warmup", type=number(int, 0), default=3)
     b.add_argument("--reps", type=COUNT, default=10, help="timed forwards per model per round")
-    b.add_argument("--rounds", type=COUNT, default=3,
-                   help="interleaved rounds, each starting one model later (dense, reduced; reduced, dense; ...)")
+    b.add_argument(
+        "--rounds",
+        type=COUNT,
+        default=3,
+        help="interleaved rounds, each starting one model later (dense, reduced; reduced, dense; ...)",
+    )
     b.add_argument("--threads", type=number(int, 1, 256), help="torch CPU threads")
     b.add_argument("--device", default="auto")
     b.add_argument("--json", help="write the result here")
     b.add_argument("--overwrite", action="store_true", help=OVERWRITE)
-    b.add_argument("--compile", action="store_true",
-                   help="time both models under torch.compile (compiled in the warm-up forwards)")
+    b.add_argument(
+        "--compile", action="store_true", help="time both models under torch.compile (compiled in the warm-up forwards)"
+    )
     b.set_defaults(func=cmd_bench)
 
     v = sub.add_parser("viz", help="per-layer picture of merged groups and pruned patches (Figures 1 and 7)")
@@ -700,12 +937,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c, required=False)
     c.add_argument("--data-dir", help="ImageFolder root (train/ is used) or .tar.gz (default: the bundled subset)")
     c.add_argument("--r-target", type=RATE, help="FLOPs reduction target in (0, 1]")
-    c.add_argument("--match", metavar="EVAL_JSON", help="instead of --r-target: the r_FLOPs of this eval JSON (e.g. "
-                   "a trained run's, for one shared threshold at the same budget)")
+    c.add_argument(
+        "--match",
+        metavar="EVAL_JSON",
+        help="instead of --r-target: the r_FLOPs of this eval JSON (e.g. "
+        "a trained run's, for one shared threshold at the same budget)",
+    )
     c.add_argument("--method", default="ltmp", choices=LEARNED)
-    c.add_argument("--mode", default="shared", choices=["shared", "quantile"],
-                   help="shared: one merge threshold for every layer (matched trained thresholds on CIFAR-10); "
-                        "quantile: per-layer score quantiles, merging and pruning (1.2-2.4 points worse there)")
+    c.add_argument(
+        "--mode",
+        default="shared",
+        choices=["shared", "quantile"],
+        help="shared: one merge threshold for every layer (matched trained thresholds on CIFAR-10); "
+        "quantile: per-layer score quantiles, merging and pruning (1.2-2.4 points worse there)",
+    )
     c.add_argument("--images", type=COUNT, default=256, help="training images to calibrate on")
     c.add_argument("--seed", type=SEED, default=0)
     c.add_argument("--device", default="auto")
@@ -759,15 +1004,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: each command's outputs: (argument, a folder?); pareto also writes the .json of its --output
-OUTPUTS = {"train": [("output", True)], "eval": [("json", False)], "bench": [("json", False)],
-           "viz": [("output", False)], "analyze": [("output", True)], "calibrate": [("output", False)],
-           "export": [("output", False)], "pareto": [("output", False)]}
+OUTPUTS = {
+    "train": [("output", True)],
+    "eval": [("json", False)],
+    "bench": [("json", False)],
+    "viz": [("output", False)],
+    "analyze": [("output", True)],
+    "calibrate": [("output", False)],
+    "export": [("output", False)],
+    "pareto": [("output", False)],
+}
 #: arguments that name a command's input files or folders: no output may replace one, even with --overwrite
 INPUTS = ("thresholds", "checkpoint", "match", "follow", "compare", "exported", "image", "evals", "data_dir")
 #: what to do after Ctrl-C, per command (the others write nothing until they finish, atomically)
-INTERRUPTED = {"train": "rerun with --resume to continue from the last checkpoint",
-               "pretrain": "rerun the same command to continue from the last finished epoch",
-               "demo": "rerun the same command to continue; finished trainings are kept"}
+INTERRUPTED = {
+    "train": "rerun with --resume to continue from the last checkpoint",
+    "pretrain": "rerun the same command to continue from the last finished epoch",
+    "demo": "rerun the same command to continue; finished trainings are kept",
+}
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -784,11 +1038,15 @@ def check_outputs(args) -> None:
     inputs = [Path(v) for x in named if x for v in (x if isinstance(x, list) else [x])]
     if (getattr(args, "model", None) or "").startswith("local-dir:"):
         inputs.append(Path(args.model.split(":", 1)[1]))
-    outputs = [(Path(getattr(args, k)), f"--{k}", folder) for k, folder in OUTPUTS.get(args.command, ())
-               if getattr(args, k, None)]
+    outputs = [
+        (Path(getattr(args, k)), f"--{k}", folder)
+        for k, folder in OUTPUTS.get(args.command, ())
+        if getattr(args, k, None)
+    ]
     if args.command == "pareto":
-        outputs.append((outputs[0][0].with_suffix(".json"), f"--output's points file, {outputs[0][0].stem}.json,",
-                        False))
+        outputs.append(
+            (outputs[0][0].with_suffix(".json"), f"--output's points file, {outputs[0][0].stem}.json,", False)
+        )
     for path, flag, folder in outputs:
         if any(_same(path, i) for i in inputs):
             raise CLIError(f"{flag} {path} is also an input of this command; write to another path")
@@ -796,8 +1054,12 @@ def check_outputs(args) -> None:
             raise CLIError(f"{flag} {path} is a file; pass a folder")
         if not folder and path.is_dir():
             raise CLIError(f"{flag} {path} is a folder; pass a file name")
-        if (args.command != "train" and not args.overwrite and path.exists()
-                and not (path.is_dir() and not any(path.iterdir()))):
+        if (
+            args.command != "train"
+            and not args.overwrite
+            and path.exists()
+            and not (path.is_dir() and not any(path.iterdir()))
+        ):
             raise CLIError(f"{flag} {path} exists; pass --overwrite to replace it, or another {flag.split()[0]}")
         where = path if folder else path.parent
         while not where.exists():
@@ -807,8 +1069,10 @@ def check_outputs(args) -> None:
         try:
             tempfile.NamedTemporaryFile(dir=where).close()
         except OSError as e:
-            raise CLIError(f"{flag} {path} cannot be written: no new file in {where} ({e.strerror}); pass a path "
-                           f"in a folder you can write") from None
+            raise CLIError(
+                f"{flag} {path} cannot be written: no new file in {where} ({e.strerror}); pass a path "
+                f"in a folder you can write"
+            ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """What a patched model reduces: the methods and the configuration every block's reduction step reads; and the
 training recipes and augmentations ``ltmp train`` offers (plain data, read by the command line without torch)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,10 +34,28 @@ AUGMENTS = ("timm", "timm-random", "light", "none")
 #: out, no settle step. Its tau is the paper's 0.1 (the reference's command line defaults to 0.5).
 RECIPES: dict[str, dict] = {
     "default": {},
-    "paper": dict(optimizer="sgd", lr_merge=5e-3, lr_prune=5e-6, merge_init=0.9, label_smoothing=0.1,
-                  mask_grad="eps", merge_grad="mask", combine="overwrite", importance_rows="all",
-                  train_order="reference", budget_tokens="all", budget_pool="batch", clamp="unit",
-                  augment="timm-random", holdout=0.02, settle=False, tau=0.1, lam=10.0, batch_size=128, epochs=1.0),
+    "paper": dict(
+        optimizer="sgd",
+        lr_merge=5e-3,
+        lr_prune=5e-6,
+        merge_init=0.9,
+        label_smoothing=0.1,
+        mask_grad="eps",
+        merge_grad="mask",
+        combine="overwrite",
+        importance_rows="all",
+        train_order="reference",
+        budget_tokens="all",
+        budget_pool="batch",
+        clamp="unit",
+        augment="timm-random",
+        holdout=0.02,
+        settle=False,
+        tau=0.1,
+        lam=10.0,
+        batch_size=128,
+        epochs=1.0,
+    ),
 }
 
 
@@ -97,8 +116,16 @@ class ReduceConfig:
     def set_starts(self) -> tuple[int, int]:
         """The first positions of ToMe's set A (even) and set B (odd) past the prefix tokens."""
         return self.num_prefix + self.num_prefix % 2, self.num_prefix + 1 - self.num_prefix % 2
+
+
 #: The values of ``ltmp.train.TrainConfig``'s recipe options (the first is the default).
-CHOICES = {"combine": ("product", "overwrite"), "importance_rows": ("survivors", "all"),
-           "train_order": ("positions", "reference"), "budget_tokens": ("patches", "all"),
-           "budget_pool": ("image", "batch"), "clamp": ("scores", "unit"), "augment": AUGMENTS,
-           "recipe": tuple(RECIPES)}
+CHOICES = {
+    "combine": ("product", "overwrite"),
+    "importance_rows": ("survivors", "all"),
+    "train_order": ("positions", "reference"),
+    "budget_tokens": ("patches", "all"),
+    "budget_pool": ("image", "batch"),
+    "clamp": ("scores", "unit"),
+    "augment": AUGMENTS,
+    "recipe": tuple(RECIPES),
+}

@@ -7,6 +7,7 @@
 - Augmentation randomness is a pure function of (seed, epoch, index): runs resume and shard across processes
   with exactly the same transformed images.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,9 @@ def unpack_archive(archive: Path) -> Path:
                 tar.extractall(tmp, filter="data")
         except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
             shutil.rmtree(tmp, ignore_errors=True)  # no half-unpacked folder is left in the cache
-            raise DataError(f"cannot unpack {archive} ({first_line(e)}); pass an ImageFolder directory or a "
-                            f"valid .tar.gz") from None
+            raise DataError(
+                f"cannot unpack {archive} ({first_line(e)}); pass an ImageFolder directory or a valid .tar.gz"
+            ) from None
         except BaseException:  # interrupted: clean up, then stop
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -72,8 +74,10 @@ def resolve_root(data_dir: str | os.PathLike) -> Path:
     """The folder holding the splits, from a directory or an archive. Raises DataError if missing."""
     path = Path(data_dir)
     if not path.exists():
-        raise DataError(f"data dir {path} does not exist; pass --data-dir DIR with DIR/train/<class>/*.jpg "
-                        f"and DIR/val/<class>/*.jpg (or a .tar.gz of that layout)")
+        raise DataError(
+            f"data dir {path} does not exist; pass --data-dir DIR with DIR/train/<class>/*.jpg "
+            f"and DIR/val/<class>/*.jpg (or a .tar.gz of that layout)"
+        )
     if path.is_file():
         if path.name.endswith((".tar.gz", ".tgz", ".tar")):
             return unpack_archive(path)
@@ -115,8 +119,13 @@ def readable(path: str | os.PathLike) -> bool:
 class ImageFolder(Dataset):
     """``root/<class>/<image>`` with sorted class names as labels. Unreadable images yield None (skipped)."""
 
-    def __init__(self, root: Path, transform: Callable | None = None, classes: list[str] | None = None,
-                 hint: str = "choose the split with --val-split"):
+    def __init__(
+        self,
+        root: Path,
+        transform: Callable | None = None,
+        classes: list[str] | None = None,
+        hint: str = "choose the split with --val-split",
+    ):
         if not root.is_dir():
             raise DataError(f"split folder {root} does not exist; expected {root}/<class>/<image files> ({hint})")
         self.classes = classes or sorted(p.name for p in root.iterdir() if p.is_dir())
@@ -130,8 +139,10 @@ class ImageFolder(Dataset):
                 if f.suffix.lower() in IMG_EXTENSIONS:
                     self.samples.append((str(f), index[c]))
         if not self.samples:
-            raise DataError(f"no images found in {root}; expected {root}/<class>/<image files> "
-                            f"({', '.join(IMG_EXTENSIONS[:3])}, ...)")
+            raise DataError(
+                f"no images found in {root}; expected {root}/<class>/<image files> "
+                f"({', '.join(IMG_EXTENSIONS[:3])}, ...)"
+            )
         self.root = root
         self.transform = transform
         self.seed = 0
@@ -182,17 +193,20 @@ def transforms_for(model: torch.nn.Module, augment: str):
     cfg = timm.data.resolve_data_config(model=model)
     eval_tf = timm.data.create_transform(**cfg, is_training=False)
     if augment in AUGMENTS[:2]:
-        train_tf = timm.data.create_transform(**{**cfg, **({"interpolation": "random"} if augment == "timm-random"
-                                                             else {})}, is_training=True)
+        train_tf = timm.data.create_transform(
+            **{**cfg, **({"interpolation": "random"} if augment == "timm-random" else {})}, is_training=True
+        )
     elif augment == "light":
         size = cfg["input_size"][1:]
-        train_tf = T.Compose([
-            T.Resize(size, interpolation=T.InterpolationMode.BILINEAR),
-            T.RandomCrop(size, padding=max(1, size[0] // 8), padding_mode="reflect"),
-            T.RandomHorizontalFlip(),
-            T.ToTensor(),
-            T.Normalize(cfg["mean"], cfg["std"]),
-        ])
+        train_tf = T.Compose(
+            [
+                T.Resize(size, interpolation=T.InterpolationMode.BILINEAR),
+                T.RandomCrop(size, padding=max(1, size[0] // 8), padding_mode="reflect"),
+                T.RandomHorizontalFlip(),
+                T.ToTensor(),
+                T.Normalize(cfg["mean"], cfg["std"]),
+            ]
+        )
     elif augment == "none":
         train_tf = eval_tf
     else:

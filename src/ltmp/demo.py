@@ -11,6 +11,7 @@ The paper's recipe (one epoch of batch 128) is about 10,000 steps on ImageNet; t
 images, i.e. 31 such steps, which barely moves the thresholds. The demo therefore starts from calibrated thresholds
 and trains for 2 epochs at batch 32 (250 steps) with ``ltmp train``'s defaults (docs/training.md).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,10 +63,19 @@ def _timed_row(model, one: torch.Tensor, batch: torch.Tensor, ev: dict, label: s
     """Accuracy and cost of one model, with its batch-1 latency and its throughput on ``batch`` (medians)."""
     t = time_forward(model, one, warmup=5, reps=30)
     tb = time_forward(model, batch, warmup=2, reps=10)
-    return {"method": label, "r_target": r_target, "r_flops": ev["r_flops"], "gmacs": ev["gmacs"],
-            "top1": ev["top1"], "top1_ci95": ev["top1_ci95"], "latency_ms": 1000 * t["median"],
-            "latency_iqr_ms": [1000 * t["p25"], 1000 * t["p75"]], "batch": len(batch),
-            "throughput": len(batch) / tb["median"], "rate": ev.get("rate")}
+    return {
+        "method": label,
+        "r_target": r_target,
+        "r_flops": ev["r_flops"],
+        "gmacs": ev["gmacs"],
+        "top1": ev["top1"],
+        "top1_ci95": ev["top1_ci95"],
+        "latency_ms": 1000 * t["median"],
+        "latency_iqr_ms": [1000 * t["p25"], 1000 * t["p75"]],
+        "batch": len(batch),
+        "throughput": len(batch) / tb["median"],
+        "rate": ev.get("rate"),
+    }
 
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
@@ -103,10 +113,23 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     for target in cfg.targets:
         run_dir = out / f"ltmp-r{target}"
         say(f"training ltmp thresholds for r_target {target} -> {run_dir}")
-        tcfg = TrainConfig(model=model_name, pretrained=cfg.pretrained, checkpoint=cfg.checkpoint, data_dir=data_dir,
-                           output=str(run_dir), r_target=target, batch_size=cfg.batch_size, epochs=cfg.epochs,
-                           augment=cfg.augment, calibrate=True, seed=cfg.seed, workers=cfg.workers,
-                           val_split=cfg.val_split, eval_after=False, checkpoint_every=100)
+        tcfg = TrainConfig(
+            model=model_name,
+            pretrained=cfg.pretrained,
+            checkpoint=cfg.checkpoint,
+            data_dir=data_dir,
+            output=str(run_dir),
+            r_target=target,
+            batch_size=cfg.batch_size,
+            epochs=cfg.epochs,
+            augment=cfg.augment,
+            calibrate=True,
+            seed=cfg.seed,
+            workers=cfg.workers,
+            val_split=cfg.val_split,
+            eval_after=False,
+            checkpoint_every=100,
+        )
         thr = run_dir / "thresholds.safetensors"
         if not thr.exists():
             train(tcfg, resume=run_dir.exists(), progress=progress)
@@ -124,8 +147,11 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         rows.append(row)
         results.append(ev_t)
 
-    plot_pareto(results, out / "accuracy_vs_gmacs.png",
-                title=f"{Path(model_name.split(':')[-1]).name}: {len(val_set)} eval images")
+    plot_pareto(
+        results,
+        out / "accuracy_vs_gmacs.png",
+        title=f"{Path(model_name.split(':')[-1]).name}: {len(val_set)} eval images",
+    )
     last = cfg.targets[-1]
     viz_model = patch(create_model(model_name, cfg.pretrained, cfg.checkpoint), "ltmp", trace_source=True)
     load_thresholds(viz_model, trained[last])  # keeps trace_source
@@ -135,32 +161,50 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         if img is None:
             continue
         x = img[0]
-        pics.append((f"image {i * (len(val_set) // 4)}", denormalize(x, data_cfg["mean"], data_cfg["std"]),
-                     layer_groups(viz_model, x)))
+        pics.append(
+            (
+                f"image {i * (len(val_set) // 4)}",
+                denormalize(x, data_cfg["mean"], data_cfg["std"]),
+                layer_groups(viz_model, x),
+            )
+        )
     plot_layers(pics, out / "tokens.png", title=f"ltmp r_target {last}: merged groups (mean colour), pruned (grey)")
     where = f"{device}, {torch.get_num_threads()} threads"
     accuracy = accuracy_sentence(rows, len(val_set), bundled=cfg.model is None and cfg.data_dir is None)
     speed = speed_sentence(rows, where)
     table = format_table(rows) + "\n\n" + accuracy + "\n\n" + speed
-    summary = {"rows": rows, "output": str(out.resolve()), "seconds": time.perf_counter() - t_start,
-               "threads": torch.get_num_threads(), "device": str(device), "eval_images": len(val_set),
-               "accuracy": accuracy, "speed": speed}
+    summary = {
+        "rows": rows,
+        "output": str(out.resolve()),
+        "seconds": time.perf_counter() - t_start,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "eval_images": len(val_set),
+        "accuracy": accuracy,
+        "speed": speed,
+    }
     write_json(out / "results.json", summary)
     atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(table + "\n"))
     print(table)
-    print(f"\nwrote {out.resolve()}/: results.md, results.json, accuracy_vs_gmacs.png, tokens.png "
-          f"({summary['seconds']:.0f} s, {summary['threads']} threads, {device})")
+    print(
+        f"\nwrote {out.resolve()}/: results.md, results.json, accuracy_vs_gmacs.png, tokens.png "
+        f"({summary['seconds']:.0f} s, {summary['threads']} threads, {device})"
+    )
     return summary
 
 
 def format_table(rows: list[dict]) -> str:
     n = rows[0]["batch"]
-    lines = ["| method | r_target | r_FLOPs | GMACs | top-1 % (95% CI) | latency b=1 (ms) | "
-             f"throughput b={n} (img/s) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| method | r_target | r_FLOPs | GMACs | top-1 % (95% CI) | latency b=1 (ms) | throughput b={n} (img/s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lo, hi = r["top1_ci95"]
-        lines.append(f"| {r['method']} | {r['r_target']} | {r['r_flops']:.3f} | {r['gmacs']:.4f} | "
-                     f"{r['top1']:.2f} ({lo:.1f}-{hi:.1f}) | {r['latency_ms']:.2f} | {r['throughput']:.0f} |")
+        lines.append(
+            f"| {r['method']} | {r['r_target']} | {r['r_flops']:.3f} | {r['gmacs']:.4f} | "
+            f"{r['top1']:.2f} ({lo:.1f}-{hi:.1f}) | {r['latency_ms']:.2f} | {r['throughput']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -177,8 +221,10 @@ def accuracy_sentence(rows: list[dict], images: int, bundled: bool = False) -> s
     for lt, tm in zip(rows, rows[1:]):
         if lt["method"] == "ltmp" and tm["method"] == "tome":
             p = tm["mcnemar_p"]
-            parts.append(f"{lt['top1'] - tm['top1']:+.2f} points at r_target {lt['r_target']} (paired p={p:.2g}, "
-                         f"{'a real difference' if p < 0.05 else 'within noise'})")
+            parts.append(
+                f"{lt['top1'] - tm['top1']:+.2f} points at r_target {lt['r_target']} (paired p={p:.2g}, "
+                f"{'a real difference' if p < 0.05 else 'within noise'})"
+            )
     full = " The same comparison on all 10,000 CIFAR-10 test images: docs/results.md." if bundled else ""
     return f"Accuracy: LTMP - ToMe at the same GMACs on these {images:,} images: {'; '.join(parts)}.{full}"
 
@@ -202,5 +248,7 @@ def speed_sentence(rows: list[dict], where: str) -> str:
             return "every reduced model is slower than dense"
         return f"{sum(v > 1 for v in ratios)} of {len(ratios)} reduced models are faster than dense"
 
-    return (f"Speed here ({where}): at batch 1 {verdict(lat)} ({min(lat):.2f}-{max(lat):.2f}x its speed); at batch "
-            f"{n} {verdict(thr)} ({min(thr):.2f}-{max(thr):.2f}x its throughput).")
+    return (
+        f"Speed here ({where}): at batch 1 {verdict(lat)} ({min(lat):.2f}-{max(lat):.2f}x its speed); at batch "
+        f"{n} {verdict(thr)} ({min(thr):.2f}-{max(thr):.2f}x its throughput)."
+    )

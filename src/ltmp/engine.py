@@ -16,6 +16,7 @@ backend is one of: explicit attention with its probabilities (the importance of 
 mode's straight-through masks need eq. 6's gradient), ``scaled_dot_product_attention`` where no importance is
 needed, and a fused kernel's log-sum-exp plus one more ``q k^T`` pass for the importance (``"lse"``).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,6 +45,7 @@ TUNING: dict[str, dict] = {
     "default": dict(group_macs=None, max_buckets=1, importance_from_lse=False),
 }
 
+
 def tracing() -> bool:
     """torch.compile, torch.export or torch.jit traces the model."""
     return bool(torch.compiler.is_compiling()) or torch.jit.is_tracing()
@@ -64,16 +66,26 @@ def plan(cfg: ReduceConfig, x: Tensor, training: bool) -> Plan:
     else:  # learned counts are symbolic in an export, where SDPA's mask broadcasting would guard on them
         attention = "sdpa" if not (exporting_now and cfg.learned) else "explicit"
     groups = not (training or grad or traced or torch.jit.is_tracing()) and tune["group_macs"] is not None
-    return Plan(train=training, grad=grad, symbolic=exporting_now, compiling=traced and not exporting_now,
-                static=not training and not cfg.learned, amp=torch.is_autocast_enabled(x.device.type),
-                attention=attention, group_macs=tune["group_macs"] if groups else None,
-                max_buckets=tune["max_buckets"],
-                cache=not traced and _python_dispatch._get_current_dispatch_mode() is None
-                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()), views=not (grad or traced))
+    return Plan(
+        train=training,
+        grad=grad,
+        symbolic=exporting_now,
+        compiling=traced and not exporting_now,
+        static=not training and not cfg.learned,
+        amp=torch.is_autocast_enabled(x.device.type),
+        attention=attention,
+        group_macs=tune["group_macs"] if groups else None,
+        max_buckets=tune["max_buckets"],
+        cache=not traced
+        and _python_dispatch._get_current_dispatch_mode() is None
+        and not (x.is_cuda and torch.cuda.is_current_stream_capturing()),
+        views=not (grad or traced),
+    )
 
 
-def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buckets: int
-                 ) -> list[tuple[list[int], int]] | None:
+def plan_buckets(
+    counts: list[int], pair_cost: float, group_cost: float, max_buckets: int
+) -> list[tuple[list[int], int]] | None:
     """Groups of the images of a padded batch by token count, so that attention runs on less padding.
 
     Attention costs an image ``pair_cost * n^2`` for the ``n`` tokens of its group's longest member, and each
@@ -92,8 +104,10 @@ def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buc
         return None
     # a group over sorted images pts[i]:pts[j] costs (pts[j] - pts[i]) * pair_cost * c[pts[j] - 1]^2 + group_cost
     last = pair_cost * np.array([0] + [c[j - 1] for j in pts[1:]], dtype=np.float64) ** 2  # (P,)
-    span = np.where(np.triu(np.ones((P, P), dtype=bool), k=1), (pts[None, :] - pts[:, None]) * last[None, :],
-                    np.inf) + group_cost  # (P, P) [i, j]
+    span = (
+        np.where(np.triu(np.ones((P, P), dtype=bool), k=1), (pts[None, :] - pts[:, None]) * last[None, :], np.inf)
+        + group_cost
+    )  # (P, P) [i, j]
     best, cut = [np.r_[0.0, np.full(P - 1, np.inf)]], [np.zeros(P, dtype=np.int64)]
     for _ in range(max_buckets):  # best[g][j]: cheapest g groups of the images before pts[j]; cut: the last start
         cost = best[-1][:, None] + span  # (P, P)
@@ -105,13 +119,24 @@ def plan_buckets(counts: list[int], pair_cost: float, group_cost: float, max_buc
     groups, j = [], P - 1
     while g > 0:
         i = int(cut[g][j])
-        groups.append((order[pts[i]:pts[j]], c[pts[j] - 1]))
+        groups.append((order[pts[i] : pts[j]], c[pts[j] - 1]))
         j, g = i, g - 1
     return groups[::-1]
 
 
-def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, backend: str, q: Tensor, k: Tensor, v: Tensor,
-              keep: Tensor | None, log_size: Tensor | None, weights: Tensor | None, metric: bool = True) -> tuple:
+def attention(
+    plan: Plan,
+    view: BlockView,
+    cfg: ReduceConfig,
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keep: Tensor | None,
+    log_size: Tensor | None,
+    weights: Tensor | None,
+    metric: bool = True,
+) -> tuple:
     """Attention of eq. 5-7 on a batch of images with one backend (:func:`backend_for`).
 
     Args:
@@ -135,9 +160,11 @@ def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, backend: str, q: T
     elif backend == "sdpa":
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop, scale=view.scale)
     else:
-        o, probs = ops.soft_masked_attention(q, k, v, view.scale, keep, log_size, drop, cfg.mask_grad) \
-            if keep is not None and keep.requires_grad else ops.masked_attention(q, k, v, view.scale, keep,
-                                                                                 log_size, drop, plan.amp)
+        o, probs = (
+            ops.soft_masked_attention(q, k, v, view.scale, keep, log_size, drop, cfg.mask_grad)
+            if keep is not None and keep.requires_grad
+            else ops.masked_attention(q, k, v, view.scale, keep, log_size, drop, plan.amp)
+        )
         if cfg.needs_importance:
             importance = ops.importance_scores(probs, weights, cfg.importance)  # (b, n)
     return o, importance, ops.head_sum(k) if metric and cfg.needs_metric else None  # (b, H, n, D), (b, n), (b, n, D)
@@ -149,8 +176,7 @@ def backend_for(plan: Plan, view: BlockView, keep: Tensor | None) -> str:
     return plan.attention if view.fused and not (keep is not None and keep.requires_grad) else "explicit"
 
 
-def split_heads(plan: Plan, qkv: Tensor, b: int, n: int, heads: int, contiguous: bool
-                ) -> tuple[Tensor, Tensor, Tensor]:
+def split_heads(plan: Plan, qkv: Tensor, b: int, n: int, heads: int, contiguous: bool) -> tuple[Tensor, Tensor, Tensor]:
     """q, k and v (b, H, n, D) from the projections of b images' n tokens, (b, n, 3 * H * D) or their rows
     (b * n, 3 * H * D), as timm splits them (reshape and permute; one strided view of the rows where the plan
     allows); ``contiguous``: one copy of all three (explicit attention reads them whole)."""
@@ -172,8 +198,9 @@ def merge_heads(plan: Plan, o: Tensor, shape: tuple[int, ...]) -> Tensor:
     return o.transpose(1, 2).reshape(shape)
 
 
-def attend(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, state: TokenState
-           ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def attend(
+    plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, state: TokenState
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Attention on the token layout: train mode's (B, N, ...) batch, eval's rows (T, ...) as the batch when
     nothing is padded, else gathered into padded groups of images (:func:`attention_in_groups`).
 
@@ -199,8 +226,16 @@ def attend(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, state: T
     return attention_in_groups(plan, view, cfg, qkv, keep, ls, L, groups or [(None, L.length)])
 
 
-def attention_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, keep: Tensor | None,
-                        log_size: Tensor | None, layout: Layout, groups: list) -> tuple:
+def attention_in_groups(
+    plan: Plan,
+    view: BlockView,
+    cfg: ReduceConfig,
+    qkv: Tensor,
+    keep: Tensor | None,
+    log_size: Tensor | None,
+    layout: Layout,
+    groups: list,
+) -> tuple:
     """Attention on the rows (T, 3 * H * D) of a padded eval batch, in groups of images ``[(image indices or None
     for all, length), ...]`` (:func:`plan_buckets`), each padded to its longest image: a padding position repeats
     the image's last row and is masked. q, k and v are gathered head by head, and the output put back, straight
@@ -211,10 +246,12 @@ def attention_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Ten
     """
     (B, N), (T, _), H, D = (layout.batch, layout.length), qkv.shape, view.heads, view.head_dim
     out = qkv.new_empty((T + 1) * H, D)  # each row's heads; row T takes the padding's outputs
-    heads_in = constant(plan, ("heads", 3, H, qkv.device), lambda: torch.arange(3 * H, device=qkv.device).view(
-        3, 1, H, 1))  # (3, 1, H, 1) the heads of a row's q | k | v
-    heads_out = constant(plan, ("heads", 1, H, qkv.device), lambda: torch.arange(H, device=qkv.device).view(
-        1, H, 1))  # (1, H, 1)
+    heads_in = constant(
+        plan, ("heads", 3, H, qkv.device), lambda: torch.arange(3 * H, device=qkv.device).view(3, 1, H, 1)
+    )  # (3, 1, H, 1) the heads of a row's q | k | v
+    heads_out = constant(
+        plan, ("heads", 1, H, qkv.device), lambda: torch.arange(H, device=qkv.device).view(1, H, 1)
+    )  # (1, H, 1)
     backend, importance, metric = backend_for(plan, view, keep), None, None
     if cfg.needs_metric and len(groups) > 1:  # (B, N, D) from the rows, once for all groups
         metric = layout.pad(ops.head_sum(view.k_norm(qkv.view(T, 3, H, D)[:, 1])))
@@ -227,13 +264,15 @@ def attention_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Ten
         a, t, ls, kp, w = first, to, log_size, keep, weights  # (B, N) each
         if sel is not None:  # the group's positions (b * n,) in the flat batch (B * N)
             pos = torch.from_numpy((np.array(sel)[:, None] * N + np.arange(n)).ravel()).to(dev)
-            a, t, ls, kp, w = (None if u is None else u.view(-1).index_select(0, pos).view(-1, n)
-                               for u in (a, t, ls, kp, w))  # (b, n) each
+            a, t, ls, kp, w = (
+                None if u is None else u.view(-1).index_select(0, pos).view(-1, n) for u in (a, t, ls, kp, w)
+            )  # (b, n) each
         full = sel is not None and all(layout.counts[i] == n for i in sel)  # a group without padding
         rows = a.view(1, -1, 1, n) + heads_in  # (3, b, H, n) rows of (T * 3 H, D)
         q, k, v = qkv.view(-1, D).index_select(0, rows.view(-1)).view(3, *rows.shape[1:], D).unbind(0)
-        o, imp, met = attention(plan, view, cfg, backend, q, k, v, None if full else kp, ls, None if full else w,
-                                metric=sel is None)  # (b, H, n, D), (b, n), (b, n, D) or None
+        o, imp, met = attention(
+            plan, view, cfg, backend, q, k, v, None if full else kp, ls, None if full else w, metric=sel is None
+        )  # (b, H, n, D), (b, n), (b, n, D) or None
         if o.is_contiguous():  # head by head into the rows
             out.index_copy_(0, (t.view(-1, 1, n) + heads_out).view(-1), o.view(-1, D))
         else:  # a fused kernel's (b, n, H, D) layout
@@ -246,8 +285,9 @@ def attention_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Ten
     return out.view(T + 1, H * D)[:T], importance, metric
 
 
-def block(plan: Plan, view: BlockView, blk: nn.Module, x: Tensor, state: TokenState, cfg: ReduceConfig,
-          layer: int, rate: int) -> tuple[Tensor, TokenState, StepResult]:
+def block(
+    plan: Plan, view: BlockView, blk: nn.Module, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int, rate: int
+) -> tuple[Tensor, TokenState, StepResult]:
     """A pre-norm block with the reduction step between attention and MLP (the paper's Figure 2)."""
     y = view.norm1(x)  # (B, N, C) or (T, C)
     o, importance, metric = attend(plan, view, cfg, view.qkv(y), state)  # (..., H * D)
@@ -256,8 +296,18 @@ def block(plan: Plan, view: BlockView, blk: nn.Module, x: Tensor, state: TokenSt
     # in place in eager without gradients (x is the block's own); exported, in place on a slice would copy it whole
     add = torch.add if plan.grad or plan.symbolic else Tensor.add_
     x = add(x, o)
-    x, state, step = reduce_step(x, state, cfg, plan, layer, importance, metric,
-                                 getattr(blk, "merge_threshold", None), getattr(blk, "prune_threshold", None), rate)
+    x, state, step = reduce_step(
+        x,
+        state,
+        cfg,
+        plan,
+        layer,
+        importance,
+        metric,
+        getattr(blk, "merge_threshold", None),
+        getattr(blk, "prune_threshold", None),
+        rate,
+    )
     return add(x, view.mlp(x)), state, step
 
 
@@ -282,25 +332,28 @@ def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:
         state = TokenState(size=size, layout=Layout(B, N), source=source)
     else:  # rows (T, C)
         x = x.reshape(B * N, C)
-        state = TokenState(size=size.view(-1), layout=Layout(B, N),
-                           source=None if source is None else source.reshape(B * N, N))
+        state = TokenState(
+            size=size.view(-1), layout=Layout(B, N), source=None if source is None else source.reshape(B * N, N)
+        )
     steps, padded = [], [N]
     sources, keeps = ([], []) if cfg.trace_source else (None, None)
     for i, blk in enumerate(adapter.blocks(model)):
-        x, state, step = block(p, adapter.view(model, blk), blk, x, state, cfg, i, 0 if cfg.rate is None else
-                               cfg.rate[i])
+        x, state, step = block(
+            p, adapter.view(model, blk), blk, x, state, cfg, i, 0 if cfg.rate is None else cfg.rate[i]
+        )
         steps.append(step)
         padded.append(state.layout.length)
         if sources is not None:
             out = _padded(state, p)
-            sources.append((state.source if p.train else state.layout.pad(state.source))[:, :, cfg.num_prefix:])
+            sources.append((state.source if p.train else state.layout.pad(state.source))[:, :, cfg.num_prefix :])
             keeps.append(out.size > 0 if out.keep is None else out.keep > 0.5)
     out = _padded(state, p)
     x = x if p.train else state.layout.pad(x)  # (B, N', C)
     if p.symbolic or torch.jit.is_tracing():  # symbolic counts: exported graphs have no record
         return x, out
-    model.ltmp_record = Record(cfg.method, padded, N - cfg.num_prefix, cfg.num_prefix, steps, out.size.dtype,
-                               x.device, B, sources, keeps)
+    model.ltmp_record = Record(
+        cfg.method, padded, N - cfg.num_prefix, cfg.num_prefix, steps, out.size.dtype, x.device, B, sources, keeps
+    )
     if p.train and steps[0].kept_frac.requires_grad:
         model.ltmp_record.counts()  # built now, with its gradients, whatever mode a first read is in
     return x, out

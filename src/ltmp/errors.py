@@ -2,6 +2,7 @@
 
 Anything else (a library bug, an unexpected failure) is not an ``LtmpError`` and keeps its traceback.
 """
+
 from __future__ import annotations
 
 

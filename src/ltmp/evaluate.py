@@ -1,4 +1,5 @@
 """Evaluation of a dense, learned-threshold or fixed-rate model: accuracy, GMACs (eq. 8-12) and tokens per layer."""
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,14 @@ SCHEMA_VERSION = 1
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device: torch.device | str = "cpu", amp: str = "",
-             progress: bool = True, model_name: str = "") -> dict:
+def evaluate(
+    model: nn.Module,
+    loader,
+    device: torch.device | str = "cpu",
+    amp: str = "",
+    progress: bool = True,
+    model_name: str = "",
+) -> dict:
     """Accuracy, GMACs from actual token counts, executed (padded) GMACs and per-layer token counts.
 
     Works on dense (unpatched), learned-threshold and fixed-rate models, over the whole loader at any batch size.
@@ -94,11 +101,12 @@ def evaluate(model: nn.Module, loader, device: torch.device | str = "cpu", amp: 
         "gmacs_ratio": g_sum / n_img / dense,
         "gmacs_executed": g_exec / n_img,
         "r_flops": r_sum / n_img,
-        "per_layer": [{"merged": float(m) / n_img, "pruned": float(p) / n_img, "kept": float(k) / n_img}
-                      for m, p, k in zip(merged, pruned, kept)],
+        "per_layer": [
+            {"merged": float(m) / n_img, "pruned": float(p) / n_img, "kept": float(k) / n_img}
+            for m, p, k in zip(merged, pruned, kept)
+        ],
         "rate": list(cfg.rate) if cfg is not None and cfg.rate is not None else None,
         "batch_size": getattr(loader, "batch_size", None),
         "seconds": seconds,
         "correct": "".join(correct),
     }
-

@@ -10,6 +10,7 @@
   top-k), whose counts do not depend on the image; for learned thresholds use ``export``. Scripting is not
   supported (the reduction step is Python with dataclasses).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -98,16 +99,24 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
             try:
                 import onnxscript  # noqa: F401
             except ImportError:
-                raise LtmpError("ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript") \
-                    from None
+                raise LtmpError(
+                    "ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript"
+                ) from None
             with exporting():
-                atomic_write(path, lambda tmp: torch.onnx.export(model, (example,), tmp, dynamo=True,
-                                                                 external_data=False, verbose=False))
+                atomic_write(
+                    path,
+                    lambda tmp: torch.onnx.export(
+                        model, (example,), tmp, dynamo=True, external_data=False, verbose=False
+                    ),
+                )
         else:
             cfg = getattr(model.model, "ltmp_config", None)
             if cfg is not None and cfg.learned:
-                warnings.warn("TorchScript tracing fixes the token counts of the example image; learned thresholds "
-                              "need data-dependent counts: use --format export", stacklevel=2)
+                warnings.warn(
+                    "TorchScript tracing fixes the token counts of the example image; learned thresholds "
+                    "need data-dependent counts: use --format export",
+                    stacklevel=2,
+                )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 traced = torch.jit.trace(model, (example,), check_trace=False)
@@ -121,15 +130,19 @@ def load_exported(path: str | os.PathLike) -> nn.Module:
     if path.suffix == ".onnx":
         raise LtmpError("run .onnx files with onnxruntime; ltmp loads .pt2 (torch.export) and TorchScript files")
     if not path.is_file():
-        raise LtmpError(f"exported model {path} is {'a folder' if path.is_dir() else 'missing'}; pass a file written "
-                        f"by 'ltmp export' (.pt2, or .pt for TorchScript)")
+        raise LtmpError(
+            f"exported model {path} is {'a folder' if path.is_dir() else 'missing'}; pass a file written "
+            f"by 'ltmp export' (.pt2, or .pt for TorchScript)"
+        )
     try:
         if path.suffix == ".pt2":
             return _Program(torch.export.load(str(path)).module())
         return torch.jit.load(str(path))
     except Exception as e:  # torch raises many types on a file it cannot read
-        raise LtmpError(f"cannot load exported model {path} ({first_line(e)}); pass a file written by 'ltmp export' "
-                        f"(.pt2, or .pt for TorchScript)") from None
+        raise LtmpError(
+            f"cannot load exported model {path} ({first_line(e)}); pass a file written by 'ltmp export' "
+            f"(.pt2, or .pt for TorchScript)"
+        ) from None
 
 
 #: runtimes ``ltmp bench --deployed`` times exported models in, with the format each one runs
@@ -158,8 +171,12 @@ class _OrtSession(nn.Module):
 
 #: OpenVINO CPU settings of ``--deployed openvino`` (threads are added per load); why the snippets are off: _OpenVino.
 #: float32 as exported: on a CPU with AVX512-BF16 (or AMX) OpenVINO otherwise runs in bfloat16 (logits 1e-3 off)
-OPENVINO_CONFIG = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, "SNIPPETS_MODE": "DISABLE",
-                   "INFERENCE_PRECISION_HINT": "f32"}
+OPENVINO_CONFIG = {
+    "PERFORMANCE_HINT": "LATENCY",
+    "NUM_STREAMS": 1,
+    "SNIPPETS_MODE": "DISABLE",
+    "INFERENCE_PRECISION_HINT": "f32",
+}
 
 
 class _OpenVino(nn.Module):
@@ -175,8 +192,9 @@ class _OpenVino(nn.Module):
             import openvino as ov
         except ImportError:
             raise LtmpError("--deployed openvino needs OpenVINO: pip install 'ltmp[openvino]'") from None
-        self.__dict__["compiled"] = ov.Core().compile_model(str(path), "CPU",
-                                                            {**OPENVINO_CONFIG, "INFERENCE_NUM_THREADS": threads})
+        self.__dict__["compiled"] = ov.Core().compile_model(
+            str(path), "CPU", {**OPENVINO_CONFIG, "INFERENCE_NUM_THREADS": threads}
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(self.compiled(x.numpy())[0])
@@ -197,12 +215,17 @@ def deploy(model: nn.Module, example: torch.Tensor, runtime: str, folder: str | 
     if RUNTIMES[runtime] == "onnx":
         return path
     try:
-        return Path(torch._inductor.aoti_compile_and_package(torch.export.load(str(path)),
-                                                             package_path=str(Path(folder) / f"{name}-aoti.pt2")))
+        return Path(
+            torch._inductor.aoti_compile_and_package(
+                torch.export.load(str(path)), package_path=str(Path(folder) / f"{name}-aoti.pt2")
+            )
+        )
     except Exception as e:  # Inductor's lowering errors are long; the first line says what it could not do
-        raise LtmpError(f"AOTInductor cannot compile the {name} model ({first_line(e, 300)}); learned thresholds' "
-                        f"data-dependent token counts do not compile there yet (docs/deploy.md): use --deployed onnx "
-                        f"or openvino") from None
+        raise LtmpError(
+            f"AOTInductor cannot compile the {name} model ({first_line(e, 300)}); learned thresholds' "
+            f"data-dependent token counts do not compile there yet (docs/deploy.md): use --deployed onnx "
+            f"or openvino"
+        ) from None
 
 
 def load_deployed(path: str | os.PathLike, runtime: str, threads: int) -> nn.Module:

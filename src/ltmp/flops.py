@@ -11,6 +11,7 @@ Two kinds of numbers:
 
 The reduction step's own overhead (similarities, scores) is not counted, as in the paper and in ToMe.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +46,6 @@ class ViTSpec:
         return len(self.macs_attn_token)
 
 
-
 def vit_spec(model: nn.Module, count_norm: bool = True) -> ViTSpec:
     """Per-token and per-pair multiply-accumulate counts of a supported ViT, in fvcore's convention.
 
@@ -67,10 +67,18 @@ def vit_spec(model: nn.Module, count_norm: bool = True) -> ViTSpec:
         pair.append(2.0 * view.heads * view.head_dim)
     (gh, gw), _, _ = adapter.patch_grid(model)
     final, head = adapter.final_macs(model, count_norm)
-    return ViTSpec(num_patches=gh * gw, num_prefix=adapter.num_prefix(model), embed_dim=adapter.embed_dim(model),
-                   mlp_hidden=adapter.mlp_hidden(model), macs_embed=adapter.embed_macs(model, count_norm),
-                   macs_attn_token=attn_token, macs_attn_pair=pair, macs_mlp_token=mlp_token,
-                   macs_final_token=final, macs_head=head)
+    return ViTSpec(
+        num_patches=gh * gw,
+        num_prefix=adapter.num_prefix(model),
+        embed_dim=adapter.embed_dim(model),
+        mlp_hidden=adapter.mlp_hidden(model),
+        macs_embed=adapter.embed_macs(model, count_norm),
+        macs_attn_token=attn_token,
+        macs_attn_pair=pair,
+        macs_mlp_token=mlp_token,
+        macs_final_token=final,
+        macs_head=head,
+    )
 
 
 def macs_from_counts(spec: ViTSpec, tokens: Tensor) -> Tensor:
@@ -88,7 +96,7 @@ def macs_from_counts(spec: ViTSpec, tokens: Tensor) -> Tensor:
     macs = torch.full(t.shape[:-1], spec.macs_embed + spec.macs_head, dtype=torch.float64, device=t.device)
     for layer in range(spec.depth):
         n_attn, n_mlp = t[..., layer], t[..., layer + 1]
-        macs = macs + spec.macs_attn_token[layer] * n_attn + spec.macs_attn_pair[layer] * n_attn ** 2
+        macs = macs + spec.macs_attn_token[layer] * n_attn + spec.macs_attn_pair[layer] * n_attn**2
         macs = macs + spec.macs_mlp_token[layer] * n_mlp
     return macs + spec.macs_final_token * t[..., -1]
 
@@ -179,8 +187,7 @@ def schedule_counts(method: str, schedule: Sequence[int], num_patches: int, keep
     return counts
 
 
-def rate_schedule(spec, target_gmacs: float, method: str = "tome", shape: Sequence[float] | None = None
-                  ) -> list[int]:
+def rate_schedule(spec, target_gmacs: float, method: str = "tome", shape: Sequence[float] | None = None) -> list[int]:
     """A per-layer schedule of a fixed-rate method (``tome``, ``topk-prune``, ``topk-mp``) whose GMACs come
     closest to ``target_gmacs``.
 
@@ -196,7 +203,7 @@ def rate_schedule(spec, target_gmacs: float, method: str = "tome", shape: Sequen
         raise LtmpError(f"a schedule shape needs one weight per layer ({L}), got {len(weights)}")
     if sum(weights) <= 0:
         return [0] * L
-    cum = [sum(weights[:l + 1]) * (L / sum(weights)) for l in range(L)]  # (l + 1 for the even shape)
+    cum = [sum(weights[: l + 1]) * (L / sum(weights)) for l in range(L)]  # (l + 1 for the even shape)
     steps = 4000
     scheds = []
     for i in range(steps + 1):
@@ -206,4 +213,3 @@ def rate_schedule(spec, target_gmacs: float, method: str = "tome", shape: Sequen
     counts = torch.tensor([schedule_counts(method, s, n) for s in scheds], dtype=torch.float64)  # (S, L)
     err = (gmacs(spec, counts) - target_gmacs).abs()  # (S,)
     return scheds[int(err.argmin())]
-

@@ -10,6 +10,7 @@ plus ToMe's bipartite matching and size-weighted merge (Bolya et al., 2023), whi
 Each algorithm has one implementation here. Nothing here knows about timm or asks torch which mode it runs in:
 the caller (:mod:`ltmp.step`) passes what differs between train, eval and export.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,8 +68,16 @@ def key_bias(keep: Tensor | None, log_size: Tensor | None, dtype: torch.dtype) -
     return cast(log_size, dtype) if mask is None else cast(log_size, dtype) + mask  # (B, N)
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None, log_size: Tensor | None,
-                     dropout: float = 0.0, amp: bool = False) -> tuple[Tensor, Tensor]:
+def masked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    keep: Tensor | None,
+    log_size: Tensor | None,
+    dropout: float = 0.0,
+    amp: bool = False,
+) -> tuple[Tensor, Tensor]:
     """Attention with masked keys and proportional attention, eq. 5-7, for hard masks (eval; train mode's
     straight-through masks: :func:`soft_masked_attention`).
 
@@ -91,15 +100,24 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor
         if bias is not None:
             attn = (attn.view(B, H, N, N) + bias.view(B, 1, 1, N)).view(B * H, N, N)  # (B * H, N, N)
     else:  # scale and bias in one call, each head with its copy of the bias
-        attn = torch.baddbmm(torch.cat([bias.view(B, 1, N)] * H, 1).view(B * H, 1, N), q3, k3.transpose(1, 2),
-                             alpha=scale)  # (B * H, N, N)
+        attn = torch.baddbmm(
+            torch.cat([bias.view(B, 1, N)] * H, 1).view(B * H, 1, N), q3, k3.transpose(1, 2), alpha=scale
+        )  # (B * H, N, N)
     probs = attn.softmax(dim=-1)  # (B * H, N, N)
     p = F.dropout(probs, dropout) if dropout else probs
     return torch.bmm(cast(p, v.dtype), v3).view(B, H, N, D), probs.view(B, H, N, N)
 
 
-def soft_masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor, log_size: Tensor | None,
-                          dropout: float = 0.0, mask_grad: str = "secant") -> tuple[Tensor, Tensor]:
+def soft_masked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    keep: Tensor,
+    log_size: Tensor | None,
+    dropout: float = 0.0,
+    mask_grad: str = "secant",
+) -> tuple[Tensor, Tensor]:
     """:func:`masked_attention` with a straight-through mask ``keep`` (B, N) (train mode): the mask multiplies in
     eq. 6, so gradients reach it and the thresholds behind it (:class:`MaskedSoftmax`); the same forward."""
     attn = cast((q * scale) @ k.transpose(-2, -1), wide(q.dtype))  # (B, H, N, N)
@@ -197,8 +215,9 @@ def importance_scores(probs: Tensor, weights: Tensor | None, kind: str) -> Tenso
         return torch.bmm(cast(weights, probs.dtype)[:, None], probs.sum(dim=1)).squeeze(1)  # (B, N)
 
 
-def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None
-                       ) -> tuple[Tensor, Tensor] | None:
+def attention_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
     """A fused attention kernel that also returns the log-sum-exp of each query row, or None where none is at hand.
 
     CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``; CUDA: the memory-efficient kernel (whose
@@ -216,8 +235,7 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tens
     try:
         if q.device.type == "cpu":
             mask = None if bias is None else cast(bias, q.dtype).expand(B, H, N, N)
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask,
-                                                                                   scale=scale)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
         elif q.device.type == "cuda" and q.dtype != torch.float64:
             mask = None
             if bias is not None:  # the kernel wants the bias rows aligned (as SDPA pads them): 16 columns
@@ -232,8 +250,16 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tens
     return out, lse[..., :N]
 
 
-def importance_from_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, bias: Tensor | None,
-                        weights: Tensor | None, kind: str, chunk: int = 1 << 22) -> Tensor:
+def importance_from_lse(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    scale: float,
+    bias: Tensor | None,
+    weights: Tensor | None,
+    kind: str,
+    chunk: int = 1 << 22,
+) -> Tensor:
     """:func:`importance_scores` from the log-sum-exp of a fused kernel, without its probabilities.
 
     The probability of query i for key j is ``exp(scale q_i . k_j + bias_j - lse_i)`` (eq. 6), so one more
@@ -262,7 +288,7 @@ def importance_from_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, bias: T
     total = 0
     for i in range(0, N, step):
         with exact(q.device.type):
-            total = total + torch.einsum("bhqn,bq->bn", probs(slice(i, i + step)), w[:, i:i + step])  # (B, N)
+            total = total + torch.einsum("bhqn,bq->bn", probs(slice(i, i + step)), w[:, i : i + step])  # (B, N)
     return total
 
 
@@ -272,8 +298,9 @@ def head_sum(k: Tensor) -> Tensor:
     return k.sum(1)  # (B, N, D) or (T, D)
 
 
-def match(metric: Tensor, blocked: Tensor | None, pad: bool = False, views: bool = False, first: tuple = (0, 1)
-          ) -> tuple[Tensor, Tensor]:
+def match(
+    metric: Tensor, blocked: Tensor | None, pad: bool = False, views: bool = False, first: tuple = (0, 1)
+) -> tuple[Tensor, Tensor]:
     """ToMe's bipartite matching on tokens in order: set A is the even positions, set B the odd ones, and each A
     token's score is its highest cosine similarity with a B token (the first on ties). Similarities are float32 at
     least, also under autocast: bf16 rounds them to steps of 1/256 near 1, where thresholds sit.
@@ -312,7 +339,7 @@ def blocked_pairs(mergeable: Tensor, first: tuple = (0, 1)) -> Tensor:
     """The (A, B) pairs of :func:`match` that may not merge, (..., Na, Nb) bool, from the tokens (..., N) that may
     merge or receive (survivors past the prefix); ``first`` as for :func:`match`."""
     blocked = ~mergeable  # (..., N)
-    return blocked[..., first[0]::2, None].bitwise_or(blocked[..., None, first[1]::2])  # (..., Na, Nb)
+    return blocked[..., first[0] :: 2, None].bitwise_or(blocked[..., None, first[1] :: 2])  # (..., Na, Nb)
 
 
 def rank(scores: Tensor, largest: bool, earlier: Tensor | None = None) -> Tensor:
@@ -348,8 +375,15 @@ def group_max(importance: Tensor, src: Tensor, dst: Tensor, stays: Tensor) -> Te
     return importance.scatter_reduce(1, dst, moved, reduce="amax", include_self=True)  # (B, N)
 
 
-def merge_rows(x: Tensor, size: Tensor, rows: Tensor, n: int, extra: Tensor | None = None, average: bool = True,
-               weighted: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+def merge_rows(
+    x: Tensor,
+    size: Tensor,
+    rows: Tensor,
+    n: int,
+    extra: Tensor | None = None,
+    average: bool = True,
+    weighted: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """ToMe's merge: the rows of x (M, C) with their sizes (M,) summed into rows ``rows`` (M,) of an output of
     ``n`` rows, each output row the size-weighted average of the rows it receives (in at least the size dtype:
     float32 under AMP), its size their sum. ``extra`` (M, K) rows are summed (the patch maps of which patches a

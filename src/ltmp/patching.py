@@ -6,6 +6,7 @@ shared mutable dict), and adds each block's learned thresholds as ``nn.Parameter
 This module never learns a family's name: the model's adapter says where blocks, attention, norms and prefix
 tokens are (:class:`ltmp.adapters.BlockView`).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,10 +38,20 @@ def blocks(model: nn.Module) -> Sequence[nn.Module]:
     return adapter_for(model).blocks(model)
 
 
-def patch(model: nn.Module, method: str = "ltmp", *, tau: float = 0.1, importance: str = "mean",
-          merge_threshold: float | None = None, prune_threshold: float | None = None,
-          r: int | Sequence[int] | None = None, k: int | Sequence[int] | None = None, trace_source: bool = False,
-          mask_grad: str = "secant", merge_grad: str = "average") -> nn.Module:
+def patch(
+    model: nn.Module,
+    method: str = "ltmp",
+    *,
+    tau: float = 0.1,
+    importance: str = "mean",
+    merge_threshold: float | None = None,
+    prune_threshold: float | None = None,
+    r: int | Sequence[int] | None = None,
+    k: int | Sequence[int] | None = None,
+    trace_source: bool = False,
+    mask_grad: str = "secant",
+    merge_grad: str = "average",
+) -> nn.Module:
     """Make a vision transformer reduce its tokens with LTMP or a fixed-rate baseline, in place.
 
     In train mode every token stays in the tensor behind a straight-through keep mask (differentiable w.r.t. the
@@ -85,11 +96,20 @@ def patch(model: nn.Module, method: str = "ltmp", *, tau: float = 0.1, importanc
     blks = adapter.blocks(model)
     depth = len(blks)
     kept = [{n: blk._parameters[n].detach() for n in THRESHOLD_NAMES if n in blk._parameters} for blk in blks]
-    cfg = ReduceConfig(method=method, tau=float(tau), importance=importance, num_prefix=adapter.num_prefix(model),
-                       trace_source=trace_source, mask_grad=mask_grad, merge_grad=merge_grad)
+    cfg = ReduceConfig(
+        method=method,
+        tau=float(tau),
+        importance=importance,
+        num_prefix=adapter.num_prefix(model),
+        trace_source=trace_source,
+        mask_grad=mask_grad,
+        merge_grad=merge_grad,
+    )
     if cfg.importance == "cls" and cfg.needs_importance and not adapter.has_class_token(model):
-        raise LtmpError("importance='cls' (class attention, eq. 16) needs a class token and this model has none; "
-                        "use importance='mean'")
+        raise LtmpError(
+            "importance='cls' (class attention, eq. 16) needs a class token and this model has none; "
+            "use importance='mean'"
+        )
     if cfg.learned:
         if r is not None or k is not None:
             raise LtmpError(f"method '{method}' learns thresholds; r= and k= belong to tome/topk-prune/topk-mp")
@@ -102,11 +122,16 @@ def patch(model: nn.Module, method: str = "ltmp", *, tau: float = 0.1, importanc
 
     ref = next(model.parameters())
     for blk, old in zip(blks, kept):  # re-patching keeps the thresholds the model has unless new ones are given
-        for kind, given, default in (("merge_threshold", merge_threshold, 0.9), ("prune_threshold", prune_threshold,
-                                                                                  0.0)):
+        for kind, given, default in (
+            ("merge_threshold", merge_threshold, 0.9),
+            ("prune_threshold", prune_threshold, 0.0),
+        ):
             if cfg.learned and kind[:5] in cfg.ops:
-                v = old[kind].clone() if given is None and kind in old else torch.tensor(float(
-                    default if given is None else given))
+                v = (
+                    old[kind].clone()
+                    if given is None and kind in old
+                    else torch.tensor(float(default if given is None else given))
+                )
                 setattr(blk, kind, nn.Parameter(v.to(ref.device)))
     model.ltmp_config = cfg
     model.ltmp_record = None
@@ -114,11 +139,16 @@ def patch(model: nn.Module, method: str = "ltmp", *, tau: float = 0.1, importanc
     model.__class__ = _patched_class(type(model), adapter)
 
     does_nothing = (cfg.rate is not None and not any(cfg.rate)) or (
-        cfg.learned and ("merge" not in cfg.ops or merge_threshold == math.inf)
-        and ("prune" not in cfg.ops or prune_threshold == -math.inf))
+        cfg.learned
+        and ("merge" not in cfg.ops or merge_threshold == math.inf)
+        and ("prune" not in cfg.ops or prune_threshold == -math.inf)
+    )
     if does_nothing:
-        warnings.warn(f"ltmp.patch(method='{method}') reduces no tokens with these settings "
-                      f"(r/k of 0, or thresholds merge=+inf and prune=-inf)", stacklevel=2)
+        warnings.warn(
+            f"ltmp.patch(method='{method}') reduces no tokens with these settings "
+            f"(r/k of 0, or thresholds merge=+inf and prune=-inf)",
+            stacklevel=2,
+        )
     return model
 
 
@@ -151,8 +181,14 @@ def _patched_forward(self, *args, **kwargs):
 
 def _patched_class(base: type, adapter: Adapter) -> type:
     if base not in _CLASSES:
-        body = {"_ltmp_base": base, "_ltmp_adapter": adapter, "forward": _patched_forward,
-                "__module__": base.__module__, "__doc__": base.__doc__, **adapter.extra_methods()}
+        body = {
+            "_ltmp_base": base,
+            "_ltmp_adapter": adapter,
+            "forward": _patched_forward,
+            "__module__": base.__module__,
+            "__doc__": base.__doc__,
+            **adapter.extra_methods(),
+        }
         _CLASSES[base] = type(f"LTMP{base.__name__}", (base,), body)
     return _CLASSES[base]
 

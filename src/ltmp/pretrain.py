@@ -10,6 +10,7 @@ every epoch end; the data order and augmentation are functions of (seed, epoch, 
 same batches as an uninterrupted one. The result is saved in timm's local-dir format (``config.json`` +
 ``model.safetensors``), loadable with ``timm.create_model("local-dir:FOLDER", pretrained=True)``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,16 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 ARCH = "vit_tiny_patch16_224"
-MODEL_ARGS = dict(img_size=[32, 32], patch_size=4, embed_dim=128, depth=12, num_heads=4, num_classes=10,
-                  in_chans=3, global_pool="token")
+MODEL_ARGS = dict(
+    img_size=[32, 32],
+    patch_size=4,
+    embed_dim=128,
+    depth=12,
+    num_heads=4,
+    num_classes=10,
+    in_chans=3,
+    global_pool="token",
+)
 
 
 @dataclasses.dataclass
@@ -73,10 +82,20 @@ def model_config() -> dict:
         "global_pool": "token",
         "model_args": MODEL_ARGS,
         "pretrained_cfg": {
-            "tag": "cifar10", "custom_load": False, "input_size": [3, 32, 32], "fixed_input_size": True,
-            "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center", "mean": list(CIFAR10_MEAN),
-            "std": list(CIFAR10_STD), "num_classes": 10, "pool_size": None, "first_conv": "patch_embed.proj",
-            "classifier": "head", "label_names": list(CIFAR10_CLASSES),
+            "tag": "cifar10",
+            "custom_load": False,
+            "input_size": [3, 32, 32],
+            "fixed_input_size": True,
+            "interpolation": "bilinear",
+            "crop_pct": 1.0,
+            "crop_mode": "center",
+            "mean": list(CIFAR10_MEAN),
+            "std": list(CIFAR10_STD),
+            "num_classes": 10,
+            "pool_size": None,
+            "first_conv": "patch_embed.proj",
+            "classifier": "head",
+            "label_names": list(CIFAR10_CLASSES),
         },
     }
 
@@ -110,16 +129,19 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> dict:
     model = cifar_vit().to(device)
     root = ldata.resolve_root(cfg.data_dir)
     norm = T.Normalize(CIFAR10_MEAN, CIFAR10_STD)
-    train_tf = T.Compose([T.RandomCrop(32, padding=4, padding_mode="reflect"), T.RandomHorizontalFlip(),
-                          T.ToTensor(), norm])
+    train_tf = T.Compose(
+        [T.RandomCrop(32, padding=4, padding_mode="reflect"), T.RandomHorizontalFlip(), T.ToTensor(), norm]
+    )
     test_tf = T.Compose([T.Resize(32), T.ToTensor(), norm])
     train_set = ldata.ImageFolder(root / "train", train_tf)
     test_set = ldata.ImageFolder(ldata.split_dir(root, cfg.val_split), test_tf, train_set.classes)
     decay = [p for n, p in model.named_parameters() if p.ndim > 1 and "pos_embed" not in n and "token" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim > 1 and "pos_embed" not in n
-                                                               and "token" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr)
+    no_decay = [
+        p for n, p in model.named_parameters() if not (p.ndim > 1 and "pos_embed" not in n and "token" not in n)
+    ]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr
+    )
     spe = len(train_set) // cfg.batch_size
     total = cfg.epochs * spe
     stop = total if cfg.stop_after_epoch is None else min(total, cfg.stop_after_epoch * spe)
@@ -134,19 +156,28 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> dict:
         opt.load_state_dict(state["opt"])
         start = int(state["step"])
     log_path = out / "log.jsonl"
-    kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start] \
-        if log_path.exists() else []
+    kept = (
+        [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
+        if log_path.exists()
+        else []
+    )
     atomic_write(log_path, lambda tmp: Path(tmp).write_text("".join(ln + "\n" for ln in kept)))
-    write_json(out / "config.json", {**dataclasses.asdict(cfg), "architecture": ARCH, "model_args": MODEL_ARGS,
-                                     "steps_per_epoch": spe})
+    write_json(
+        out / "config.json",
+        {**dataclasses.asdict(cfg), "architecture": ARCH, "model_args": MODEL_ARGS, "steps_per_epoch": spe},
+    )
 
     def save(step: int) -> None:
         state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
         atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
 
     sampler = StepBatches(len(train_set), cfg.batch_size, stop, cfg.seed, start=start)
-    loader = DataLoader(EpochIndexed(train_set, list(range(len(train_set))), cfg.seed), batch_sampler=sampler,
-                        num_workers=cfg.workers, collate_fn=ldata.collate_skip)
+    loader = DataLoader(
+        EpochIndexed(train_set, list(range(len(train_set))), cfg.seed),
+        batch_sampler=sampler,
+        num_workers=cfg.workers,
+        collate_fn=ldata.collate_skip,
+    )
     bar = None
     if progress:
         from tqdm import tqdm
@@ -177,8 +208,12 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> dict:
                 test = DataLoader(test_set, batch_size=256, num_workers=cfg.workers, collate_fn=ldata.collate_skip)
                 ev = evaluate(model, test, device, amp=cfg.amp, progress=False, model_name=ARCH)
                 model.train()
-                result = {"step": done, "epoch": done // spe, "test_acc": ev["top1"] / 100,
-                          "sec": round(time.perf_counter() - t0)}
+                result = {
+                    "step": done,
+                    "epoch": done // spe,
+                    "test_acc": ev["top1"] / 100,
+                    "sec": round(time.perf_counter() - t0),
+                }
                 log.write(json.dumps(result) + "\n")
                 log.flush()
                 save(done)

@@ -1,5 +1,6 @@
 """What the last forward of a patched model did: its record (tokens merged, pruned and kept per layer and image),
 r_FLOPs (eq. 13) and the budget loss (eq. 14)."""
+
 from __future__ import annotations
 
 import torch
@@ -17,9 +18,19 @@ class Record:
     blocks' counts (:class:`ltmp.step.StepResult`), so that a forward nobody inspects launches no operators for it.
     """
 
-    def __init__(self, method: str, padded: list[int], num_patches: int, num_prefix: int, steps: list,
-                 dtype: torch.dtype, device: torch.device, batch: int, sources: list[Tensor] | None = None,
-                 keeps: list[Tensor] | None = None):
+    def __init__(
+        self,
+        method: str,
+        padded: list[int],
+        num_patches: int,
+        num_prefix: int,
+        steps: list,
+        dtype: torch.dtype,
+        device: torch.device,
+        batch: int,
+        sources: list[Tensor] | None = None,
+        keeps: list[Tensor] | None = None,
+    ):
         self.method = method  # the patched method
         self.padded = padded  # (L + 1) longest image's tokens entering each block and leaving the last
         self.num_patches = num_patches  # n of eq. 13
@@ -32,6 +43,7 @@ class Record:
     def counts(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(merged, pruned, kept, keep_frac), built once."""
         if self._counts is None:
+
             def column(v) -> Tensor:  # (B,) from an int, a host list, a (B,) tensor or a (B, K) mask
                 if isinstance(v, int):
                     return torch.full((self._batch,), v, device=self._device)
@@ -39,8 +51,9 @@ class Record:
                     return torch.tensor(v, device=self._device)
                 return v.sum(1) if v.dim() == 2 else v
 
-            merged, pruned, kept = (torch.stack([column(getattr(s, f)) for s in self._steps], 1)
-                                    for f in ("merged", "pruned", "kept"))  # (B, L) each
+            merged, pruned, kept = (
+                torch.stack([column(getattr(s, f)) for s in self._steps], 1) for f in ("merged", "pruned", "kept")
+            )  # (B, L) each
             frac = torch.stack([column(s.kept_frac) for s in self._steps], 1).to(self._dtype) / self.num_patches
             keep_frac = torch.cat([torch.ones_like(frac[:, :1]), frac], 1)  # (B, L + 1)
             self._counts, self._steps = (merged, pruned, kept, keep_frac), None

@@ -1,4 +1,5 @@
 """Models, devices and mixed precision: what every command sets up before it runs a model."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,9 @@ from torch import nn
 from .errors import LtmpError, first_line
 
 
-def create_model(name: str, pretrained: bool = False, checkpoint: str | None = None,
-                 classes_from: tuple[str, str] | None = None) -> nn.Module:
+def create_model(
+    name: str, pretrained: bool = False, checkpoint: str | None = None, classes_from: tuple[str, str] | None = None
+) -> nn.Module:
     """A model by name, with pretrained weights or a checkpoint file.
 
     - a timm name or ``local-dir:PATH`` (timm);
@@ -29,29 +31,35 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
     kind, _, folder = name.partition(":")
     hub_name = re.fullmatch(r"\w[\w.-]*(/\w[\w.-]*)?", folder) and ".." not in folder  # google/vit-base-patch16-224
     if (kind == "local-dir" or kind == "hf" and not hub_name) and not os.path.isdir(folder):
-        raise LtmpError(f"model folder {folder} does not exist; pass {kind}:DIR with a folder holding the model's "
-                        f"config.json and weights")
+        raise LtmpError(
+            f"model folder {folder} does not exist; pass {kind}:DIR with a folder holding the model's "
+            f"config.json and weights"
+        )
     if name.startswith("hf:"):
         return _create_hf(name[3:], checkpoint)
     if name.startswith("open_clip:"):
         from .data import class_names
 
         classes = class_names(*classes_from) if classes_from else None
-        return _create_open_clip(name[len("open_clip:"):], pretrained, checkpoint, classes)
+        return _create_open_clip(name[len("open_clip:") :], pretrained, checkpoint, classes)
     import timm
 
     if not name.startswith(("local-dir:", "hf-hub:")) and not timm.is_model(name):
-        raise LtmpError(f"unknown model '{name}'; pick a timm ViT such as deit_small_patch16_224 "
-                        f"(list them with: python -c \"import timm; print(timm.list_models('*vit*'))\"), "
-                        f"local-dir:PATH, hf:DIR_OR_NAME or open_clip:ARCH")
+        raise LtmpError(
+            f"unknown model '{name}'; pick a timm ViT such as deit_small_patch16_224 "
+            f"(list them with: python -c \"import timm; print(timm.list_models('*vit*'))\"), "
+            f"local-dir:PATH, hf:DIR_OR_NAME or open_clip:ARCH"
+        )
     # a local-dir folder's weights are what pointing at it means (as hf: folders); a checkpoint replaces them, and
     # the pretrained weights: don't fetch them first
     pretrained = pretrained or kind == "local-dir"
     try:
         model = timm.create_model(name, pretrained=pretrained and not checkpoint)
     except Exception as e:  # unreachable hub, missing local-dir files, bad config: one line with the fix
-        raise LtmpError(f"cannot create model '{name}' with pretrained={pretrained} ({first_line(e)}); offline, pass "
-                        f"--checkpoint FILE or a local-dir:PATH model folder") from None
+        raise LtmpError(
+            f"cannot create model '{name}' with pretrained={pretrained} ({first_line(e)}); offline, pass "
+            f"--checkpoint FILE or a local-dir:PATH model folder"
+        ) from None
     if checkpoint:
         from timm.models import load_checkpoint
 
@@ -60,8 +68,10 @@ def create_model(name: str, pretrained: bool = False, checkpoint: str | None = N
         try:
             load_checkpoint(model, checkpoint, strict=True)
         except Exception as e:  # torch, safetensors and pickle raise many types on a corrupt file
-            raise LtmpError(f"cannot load checkpoint {checkpoint} ({_checkpoint_reason(e)}); pass a timm, torch or "
-                            f"safetensors state dict of {name}") from None
+            raise LtmpError(
+                f"cannot load checkpoint {checkpoint} ({_checkpoint_reason(e)}); pass a timm, torch or "
+                f"safetensors state dict of {name}"
+            ) from None
     return model
 
 
@@ -96,8 +106,10 @@ def _load_state(model: nn.Module, checkpoint: str, name: str) -> None:
             state = state.get("state_dict", state) if isinstance(state, dict) else state
         model.load_state_dict(state, strict=True)
     except Exception as e:  # torch, safetensors and pickle raise many types on a corrupt or foreign file
-        raise LtmpError(f"cannot load checkpoint {checkpoint} ({_checkpoint_reason(e)}); pass a torch or "
-                        f"safetensors state dict of {name}") from None
+        raise LtmpError(
+            f"cannot load checkpoint {checkpoint} ({_checkpoint_reason(e)}); pass a torch or "
+            f"safetensors state dict of {name}"
+        ) from None
 
 
 def _create_hf(path: str, checkpoint: str | None) -> nn.Module:
@@ -113,12 +125,17 @@ def _create_hf(path: str, checkpoint: str | None) -> nn.Module:
             model = transformers.AutoModelForImageClassification.from_pretrained(path)
     except Exception as e:  # unreachable hub, missing files, a model without a classification head
         where = "the folder" if os.path.isdir(path) else "no such folder here, nor on the hub (offline?):"
-        raise LtmpError(f"cannot load hf:{path} as a transformers image classifier ({where} {first_line(e)}); pass "
-                        f"a folder written by save_pretrained (offline) or a hub name") from None
+        raise LtmpError(
+            f"cannot load hf:{path} as a transformers image classifier ({where} {first_line(e)}); pass "
+            f"a folder written by save_pretrained (offline) or a hub name"
+        ) from None
     if checkpoint:
         _load_state(model, checkpoint, f"hf:{path}")
-    model.pretrained_cfg = {**_hf_data_config(transformers, path, config), "architecture": f"hf:{path}",
-                            "num_classes": config.num_labels}
+    model.pretrained_cfg = {
+        **_hf_data_config(transformers, path, config),
+        "architecture": f"hf:{path}",
+        "num_classes": config.num_labels,
+    }
     return model.eval()
 
 
@@ -132,28 +149,37 @@ def _hf_data_config(transformers, path: str, config) -> dict:
         from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
         size = int(getattr(config, "image_size", 224))
-        return {"input_size": (3, size, size), "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-                "interpolation": "bicubic", "crop_pct": 1.0}
+        return {
+            "input_size": (3, size, size),
+            "mean": IMAGENET_DEFAULT_MEAN,
+            "std": IMAGENET_DEFAULT_STD,
+            "interpolation": "bicubic",
+            "crop_pct": 1.0,
+        }
     size = dict(proc.size or {})
     resize = size.get("shortest_edge") or size.get("height") or int(getattr(config, "image_size", 224))
     crop = dict(getattr(proc, "crop_size", None) or {}) if getattr(proc, "do_center_crop", False) else {}
     side = int(crop.get("height") or resize)
     filters = {0: "nearest", 2: "bilinear", 3: "bicubic"}
     resample = getattr(proc, "resample", 2)
-    return {"input_size": (3, side, side), "mean": tuple(proc.image_mean), "std": tuple(proc.image_std),
-            "interpolation": filters.get(int(getattr(resample, "value", resample)), "bicubic"),
-            "crop_pct": min(1.0, side / int(resize))}
+    return {
+        "input_size": (3, side, side),
+        "mean": tuple(proc.image_mean),
+        "std": tuple(proc.image_std),
+        "interpolation": filters.get(int(getattr(resample, "value", resample)), "bicubic"),
+        "crop_pct": min(1.0, side / int(resize)),
+    }
 
 
 def _create_open_clip(arch: str, pretrained: bool, checkpoint: str | None, classes: list[str] | None) -> nn.Module:
     try:
         import open_clip
     except ImportError:
-        raise LtmpError("open_clip: models need open_clip_torch; install it with: pip install 'ltmp[openclip]'") \
-            from None
+        raise LtmpError(
+            "open_clip: models need open_clip_torch; install it with: pip install 'ltmp[openclip]'"
+        ) from None
     if arch not in open_clip.list_models():
-        raise LtmpError(f"unknown OpenCLIP architecture '{arch}'; pick one of open_clip.list_models(), e.g. "
-                        f"ViT-B-32")
+        raise LtmpError(f"unknown OpenCLIP architecture '{arch}'; pick one of open_clip.list_models(), e.g. ViT-B-32")
     if pretrained and not checkpoint:
         raise LtmpError(f"open_clip:{arch} loads its weights from --checkpoint FILE (an OpenCLIP checkpoint)")
     model = open_clip.create_model(arch)
@@ -163,24 +189,32 @@ def _create_open_clip(arch: str, pretrained: bool, checkpoint: str | None, class
         try:
             open_clip.load_checkpoint(model, checkpoint)
         except Exception as e:
-            raise LtmpError(f"cannot load checkpoint {checkpoint} into open_clip:{arch} ({first_line(e)}); pass an "
-                            f"OpenCLIP checkpoint of {arch}") from None
+            raise LtmpError(
+                f"cannot load checkpoint {checkpoint} into open_clip:{arch} ({first_line(e)}); pass an "
+                f"OpenCLIP checkpoint of {arch}"
+            ) from None
     visual = model.visual
     pre = getattr(visual, "preprocess_cfg", {}) or {}
     size = pre.get("size", visual.image_size)
     size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
-    visual.pretrained_cfg = {"input_size": (3, *size), "mean": tuple(pre.get("mean", open_clip.OPENAI_DATASET_MEAN)),
-                             "std": tuple(pre.get("std", open_clip.OPENAI_DATASET_STD)),
-                             "interpolation": pre.get("interpolation", "bicubic"), "crop_pct": 1.0,
-                             "architecture": f"open_clip:{arch}"}
+    visual.pretrained_cfg = {
+        "input_size": (3, *size),
+        "mean": tuple(pre.get("mean", open_clip.OPENAI_DATASET_MEAN)),
+        "std": tuple(pre.get("std", open_clip.OPENAI_DATASET_STD)),
+        "interpolation": pre.get("interpolation", "bicubic"),
+        "crop_pct": 1.0,
+        "architecture": f"open_clip:{arch}",
+    }
     if classes:
         from .adapters.open_clip import ZeroShotClassifier
 
         try:
             tokenizer = open_clip.get_tokenizer(arch)
         except Exception as e:  # a tokenizer from the hub, offline
-            raise LtmpError(f"cannot load the tokenizer of open_clip:{arch} ({first_line(e)}); zero-shot "
-                            f"classification needs it once (online, or in the Hugging Face cache)") from None
+            raise LtmpError(
+                f"cannot load the tokenizer of open_clip:{arch} ({first_line(e)}); zero-shot "
+                f"classification needs it once (online, or in the Hugging Face cache)"
+            ) from None
         return ZeroShotClassifier.from_clip(model, tokenizer, classes).eval()
     return visual.eval()
 
@@ -191,8 +225,9 @@ def logits(out) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     if getattr(out, "logits", None) is None:
-        raise LtmpError(f"this model returns {type(out).__name__}, not class logits; accuracy and training need an "
-                        f"image classifier")
+        raise LtmpError(
+            f"this model returns {type(out).__name__}, not class logits; accuracy and training need an image classifier"
+        )
     return out.logits
 
 
@@ -203,8 +238,10 @@ def require_classifier(model: nn.Module) -> None:
 
     model = getattr(model, "module", model)
     if adapter_for(model).family == "open_clip" and not isinstance(model, ZeroShotClassifier):
-        raise LtmpError("an OpenCLIP visual tower returns image embeddings, not class logits; accuracy and training "
-                        "need an image classifier: ltmp.adapters.open_clip.ZeroShotClassifier")
+        raise LtmpError(
+            "an OpenCLIP visual tower returns image embeddings, not class logits; accuracy and training "
+            "need an image classifier: ltmp.adapters.open_clip.ZeroShotClassifier"
+        )
 
 
 def compile_model(model: nn.Module, device: torch.device | str = "cpu", train: bool = False) -> nn.Module:
@@ -248,8 +285,11 @@ def pick_device(name: str) -> torch.device:
     except RuntimeError:
         device = None
     have = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
-    if device is None or not have.get(device.type) or (device.type == "cuda" and (device.index or 0)
-                                                           >= torch.cuda.device_count()):
+    if (
+        device is None
+        or not have.get(device.type)
+        or (device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count())
+    ):
         here = ", ".join(["auto", *(k for k, ok in have.items() if ok)])
         raise LtmpError(f"--device {name} is not a device of this machine; pass one of: {here}")
     return device
@@ -284,8 +324,21 @@ class HostSyncs(torch.overrides.TorchFunctionMode):
     ``with HostSyncs() as syncs: model(x)``; then ``syncs.count`` and ``syncs.calls`` (name -> count).
     """
 
-    READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere",
-                       "masked_select", "unique", "unique_consecutive"})
+    READS = frozenset(
+        {
+            "item",
+            "tolist",
+            "__bool__",
+            "__int__",
+            "__float__",
+            "__index__",
+            "nonzero",
+            "argwhere",
+            "masked_select",
+            "unique",
+            "unique_consecutive",
+        }
+    )
 
     def __init__(self):
         super().__init__()

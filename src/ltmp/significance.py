@@ -1,6 +1,7 @@
 """Significance of evaluations: confidence intervals of accuracy, paired tests between runs on the same images with
 the image as the unit, and the correction for testing many pairs. (Not ``stats.py``: ``ltmp.stats`` is the public
 record of a forward.)"""
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,10 @@ def mcnemar(correct_a: str, correct_b: str) -> dict:
     from scipy.stats import binomtest
 
     if len(correct_a) != len(correct_b):
-        raise LtmpError(f"the two evaluations cover different images ({len(correct_a)} vs {len(correct_b)}); "
-                        f"compare runs on the same eval set")
+        raise LtmpError(
+            f"the two evaluations cover different images ({len(correct_a)} vs {len(correct_b)}); "
+            f"compare runs on the same eval set"
+        )
     b = sum(1 for x, y in zip(correct_a, correct_b) if x == "1" and y == "0")
     c = sum(1 for x, y in zip(correct_a, correct_b) if x == "0" and y == "1")
     p = 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue)
@@ -51,8 +54,9 @@ def image_test(terms: list[tuple[float, list[str]]]) -> dict:
 
     lengths = {len(s) for _, runs in terms for s in runs}
     if len(lengths) != 1:
-        raise LtmpError(f"the runs cover different numbers of images ({sorted(lengths)}); compare runs on the same "
-                        f"eval set")
+        raise LtmpError(
+            f"the runs cover different numbers of images ({sorted(lengths)}); compare runs on the same eval set"
+        )
     n = lengths.pop()
     d = [0.0] * n
     for w, runs in terms:
@@ -64,8 +68,12 @@ def image_test(terms: list[tuple[float, list[str]]]) -> dict:
     var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
     se = math.sqrt(var / n)
     p = (1.0 if mean == 0 else 0.0) if se == 0 else float(2 * norm.sf(abs(mean) / se))
-    return {"diff": 100 * mean, "ci": (100 * (mean - 1.959964 * se), 100 * (mean + 1.959964 * se)), "p_value": p,
-            "images": n}
+    return {
+        "diff": 100 * mean,
+        "ci": (100 * (mean - 1.959964 * se), 100 * (mean + 1.959964 * se)),
+        "p_value": p,
+        "images": n,
+    }
 
 
 def holm(pvalues: list[float]) -> list[float]:

@@ -15,6 +15,7 @@ step *applies* the decisions:
 
 Train and eval make the same decisions on the same scores; the tests hold them to the same tokens and outputs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -156,8 +157,17 @@ class Merge(NamedTuple):
     cand: Tensor | None  # (B, K) bool, set-A tokens that may merge (train mode, analysis, calibration)
 
 
-def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, alive: Tensor | None, in_order: bool,
-                 threshold: Tensor | None, rate: int, importance: Tensor | None) -> Merge:
+def decide_merge(
+    cfg: ReduceConfig,
+    plan: Plan,
+    layer: int,
+    metric: Tensor,
+    alive: Tensor | None,
+    in_order: bool,
+    threshold: Tensor | None,
+    rate: int,
+    importance: Tensor | None,
+) -> Merge:
     """ToMe's matching over the survivors in order (A/B alternate over them, prefix tokens never merge or receive),
     then eq. 1: an A token merges into its most similar B token where the similarity passes the threshold, or for
     fixed rates where it is among the ``rate`` best matched (ties to the earlier position; eval: every image's).
@@ -175,8 +185,11 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
             metric, mergeable = metric.gather(1, order[..., None].expand(metric.shape)), mergeable.gather(1, order)
         blocked = ops.blocked_pairs(mergeable, first)  # (B, Na, Nb)
     score, j = ops.match(metric, blocked, pad=plan.symbolic, views=plan.views, first=first)  # (B, Na) each
-    src = constant(plan, ("set A", B, N, first[0], metric.device), lambda: torch.arange(
-        N, device=metric.device)[first[0]::2].expand(B, -1))  # (B, Na) set A's positions
+    src = constant(
+        plan,
+        ("set A", B, N, first[0], metric.device),
+        lambda: torch.arange(N, device=metric.device)[first[0] :: 2].expand(B, -1),
+    )  # (B, Na) set A's positions
     dst = torch.add(scalar(plan, first[1], j.device), j, alpha=2)  # (B, Na) their B tokens' positions
     if plan.symbolic or N <= first[1]:
         dst = dst.clamp(max=N - 1)  # match's padding column (never selected) points in range
@@ -185,10 +198,17 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
     cand = None  # (B, Na) set-A tokens that may merge, where needed
     if plan.train or cfg.capture is not None or cfg.fit is not None or not (cfg.learned or plan.static):
         mergeable = _all(plan, B, N, metric.device) if mergeable is None else mergeable
-        cand = mergeable[:, first[0]::2]
+        cand = mergeable[:, first[0] :: 2]
     if cfg.capture is not None:
-        cfg.capture.append(Captured(layer, "merge", score.detach().cpu(), cand.cpu(),
-                                    None if importance is None else importance.gather(1, src).detach().cpu()))
+        cfg.capture.append(
+            Captured(
+                layer,
+                "merge",
+                score.detach().cpu(),
+                cand.cpu(),
+                None if importance is None else importance.gather(1, src).detach().cpu(),
+            )
+        )
     if cfg.learned:
         if cfg.fit is not None:
             _fit(threshold, score[cand], cfg.fit[0], largest=True)
@@ -197,14 +217,21 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
         rank = ops.rank(score, largest=True, earlier=_earlier(plan, score))  # (B, Na)
         if plan.static:
             return Merge(src, dst, None, None, rank >= scalar(plan, rate, rank.device, rank.dtype), cand)
-        k = torch.minimum(cand.sum(1), mergeable[:, first[1]::2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
+        k = torch.minimum(cand.sum(1), mergeable[:, first[1] :: 2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
         mask = (rank < k).to(torch.float32)  # (B, Na) train mode
     hard = mask if mask.dtype == torch.bool else mask.detach() > 0.5
     return Merge(src, dst, mask, hard, ~hard, cand)
 
 
-def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, alive: Tensor | None,
-                 threshold: Tensor | None, rate: int) -> tuple[Tensor, Tensor, Tensor | None]:
+def decide_prune(
+    cfg: ReduceConfig,
+    plan: Plan,
+    layer: int,
+    importance: Tensor,
+    alive: Tensor | None,
+    threshold: Tensor | None,
+    rate: int,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Which surviving patch tokens ``alive`` (B, N) (None: every token) are pruned: those whose importance does not
     pass the threshold (eq. 1), or for fixed rates the ``rate`` least important (ties to the earlier position; in
     eval ``rate`` is the count every image prunes, :func:`static_counts`). With ``keep_one`` an image's most
@@ -257,8 +284,11 @@ def _survivors_first(plan: Plan, alive: Tensor) -> Tensor:
 def _patches(plan: Plan, n: int, num_prefix: int, device: torch.device, batch: int | None = None) -> Tensor:
     """(n,) bool, True past the prefix tokens; (batch, n) with ``batch``."""
     if batch is not None:
-        return constant(plan, ("patches", batch, n, num_prefix, device),
-                        lambda: _patches(plan, n, num_prefix, device).expand(batch, n))
+        return constant(
+            plan,
+            ("patches", batch, n, num_prefix, device),
+            lambda: _patches(plan, n, num_prefix, device).expand(batch, n),
+        )
     return constant(plan, ("patches", n, num_prefix, device), lambda: torch.arange(n, device=device) >= num_prefix)
 
 
@@ -293,9 +323,18 @@ def tome_k(rate: int, n: int, starts: tuple[int, int]) -> int:
     return min(rate, len(range(starts[0], n, 2)), len(range(starts[1], n, 2)))
 
 
-def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor | None,
-                metric: Tensor | None, merge_threshold: Tensor | None, prune_threshold: Tensor | None, rate: int
-                ) -> tuple[Tensor, TokenState, StepResult]:
+def reduce_step(
+    x: Tensor,
+    state: TokenState,
+    cfg: ReduceConfig,
+    plan: Plan,
+    layer: int,
+    importance: Tensor | None,
+    metric: Tensor | None,
+    merge_threshold: Tensor | None,
+    prune_threshold: Tensor | None,
+    rate: int,
+) -> tuple[Tensor, TokenState, StepResult]:
     """Merge and/or prune one block's tokens, between its attention and its MLP: decide, then apply.
 
     Args:
@@ -313,16 +352,29 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
     decisions = []
     for op in cfg.ops:
         if op == "merge":
-            m = decide_merge(cfg, plan, layer, metric, alive, in_order, merge_threshold,
-                             rate if static is None else static[0], importance)
-            alive = _all(plan, B, N, x.device).scatter(1, m.src, m.stays) if alive is None else alive.scatter(
-                1, m.src, alive.gather(1, m.src).bitwise_and(m.stays))  # (B, N)
+            m = decide_merge(
+                cfg,
+                plan,
+                layer,
+                metric,
+                alive,
+                in_order,
+                merge_threshold,
+                rate if static is None else static[0],
+                importance,
+            )
+            alive = (
+                _all(plan, B, N, x.device).scatter(1, m.src, m.stays)
+                if alive is None
+                else alive.scatter(1, m.src, alive.gather(1, m.src).bitwise_and(m.stays))
+            )  # (B, N)
             if importance is not None and cfg.ops[-1] == "prune":  # a merged group's importance, for pruning
                 importance = ops.group_max(importance, m.src, m.dst, m.stays)  # (B, N)
             decisions.append(m)
         else:
-            drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold,
-                                            rate if static is None else static[1])
+            drop, cand, soft = decide_prune(
+                cfg, plan, layer, importance, alive, prune_threshold, rate if static is None else static[1]
+            )
             alive = (_all(plan, B, N, x.device) if alive is None else alive).bitwise_xor(drop)  # (B, N)
             in_order = plan.train and cfg.train_order == "reference"  # (ltpm) else a merge after pruning splits
             #                                                              A/B over the survivors, not the positions
@@ -373,12 +425,19 @@ def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: lis
                 return t.gather(1, src[..., None].expand(-1, -1, t.shape[2]))
 
             # every token stays in its row; each A token also joins its target's row with weight w
-            rows = torch.cat([torch.arange(B * N, device=x.device),
-                              (d.dst + (torch.arange(B, device=x.device) * N)[:, None]).view(-1)])  # (B N + B K,)
+            rows = torch.cat(
+                [
+                    torch.arange(B * N, device=x.device),
+                    (d.dst + (torch.arange(B, device=x.device) * N)[:, None]).view(-1),
+                ]
+            )  # (B N + B K,)
             xs = torch.cat([x.reshape(B * N, C), moved(x).reshape(B_K, C)])  # (B N + B K, C)
             s = torch.cat([size.view(-1), (size.gather(1, d.src) * w).view(-1)])  # (B N + B K,)
-            extra = None if source is None else torch.cat(
-                [source.reshape(B * N, -1), (moved(source) * d.hard[..., None]).reshape(B_K, -1)])
+            extra = (
+                None
+                if source is None
+                else torch.cat([source.reshape(B * N, -1), (moved(source) * d.hard[..., None]).reshape(B_K, -1)])
+            )
             out, den, extra = ops.merge_rows(xs, s, rows, B * N, extra)
             received = torch.zeros_like(size).scatter_add(1, d.dst, d.hard.to(size.dtype)) > 0  # (B, N)
             x = torch.where(received[..., None], out.view(B, N, C), x)  # (B, N, C)
@@ -397,14 +456,26 @@ def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: lis
             factor = torch.where(cand, m, factor) if cfg.combine == "overwrite" else factor * m
         touched = cand if touched is None else touched | cand
         keep = torch.where(touched, factor, entering)  # (B, N) eq. 3
-    patch_keep = keep[:, cfg.num_prefix:]  # (B, N - P)
+    patch_keep = keep[:, cfg.num_prefix :]  # (B, N - P)
     result = StepResult(merged=merged, pruned=pruned, kept=(patch_keep > 0.5).sum(1), kept_frac=patch_keep.sum(1))
-    return x, dataclasses.replace(state, size=size, keep=keep, source=source,
-                                  merged_once=state.merged_once or "merge" in cfg.ops), result
+    return (
+        x,
+        dataclasses.replace(
+            state, size=size, keep=keep, source=source, merged_once=state.merged_once or "merge" in cfg.ops
+        ),
+        result,
+    )
 
 
-def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, decisions: list, alive: Tensor,
-                static: tuple[int, int] | None) -> tuple:
+def _apply_rows(
+    x: Tensor,
+    state: TokenState,
+    cfg: ReduceConfig,
+    plan: Plan,
+    decisions: list,
+    alive: Tensor,
+    static: tuple[int, int] | None,
+) -> tuple:
     """Eval mode: the survivors ``alive`` (B, N) keep their order and become the new rows, image by image; a merged
     token joins its target's row, and each new row is the size-weighted average of the rows it receives (a target
     pruned in the same block takes its group along). One sum of rows into rows does the merging and the
@@ -423,8 +494,9 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
         for c in counts if plan.symbolic else ():  # an export's symbolic counts: bounds for its slices
             torch._check(c >= 0), torch._check(c <= N)
         kept = [c - P for c in counts]
-        result = StepResult(merged=0 if merge is None else merge.hard, pruned=0 if drop is None else drop,
-                            kept=kept, kept_frac=kept)
+        result = StepResult(
+            merged=0 if merge is None else merge.hard, pruned=0 if drop is None else drop, kept=kept, kept_frac=kept
+        )
         n_new, T_new = max(counts), sum(counts)
     flat = alive.view(-1)  # (B * N,)
     slot = torch.where(flat, flat.cumsum(0), scalar(plan, 0, x.device))  # (B * N,) survivors' new rows from 1,
@@ -433,13 +505,16 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
         at = slot.view(B, N)  # (B, N)
         at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill_(merge.stays, 0))
     average = state.merged_once or merge is not None  # else every size is 1 and each new row receives one row
-    x, size, source = ops.merge_rows(x, state.size, L.take(slot), T_new + 1, state.source, average,
-                                     weighted=state.merged_once)
+    x, size, source = ops.merge_rows(
+        x, state.size, L.take(slot), T_new + 1, state.source, average, weighted=state.merged_once
+    )
     # (under torch.compile a padded layout always: a check of equal counts would guard on the counts)
     if counts is None or B == 1 or (not plan.compiling and all(c == n_new for c in counts)):
         layout = Layout(B, n_new)
     else:
         layout = Layout(B, n_new, counts, positions(plan, n_new, x.device) < count_t[:, None])  # real (B, n_new)
+
     def rest(t: Tensor) -> Tensor:  # t[1:]: where the plan allows a strided view, one operator call (a slice: two)
         return t.as_strided((len(t) - 1, *t.shape[1:]), t.stride(), t.stride(0)) if plan.views else t[1:]  # t is new
+
     return rest(x), TokenState(rest(size), layout, None, None if source is None else rest(source), average), result

@@ -4,6 +4,7 @@ A threshold file holds one (L,) tensor per kind (``merge_threshold``, ``prune_th
 and metadata: method, tau, importance, depth, embed dim, prefix tokens, patch grid, image size and (for
 information only) the model name. It is a few hundred bytes.
 """
+
 from __future__ import annotations
 
 import json
@@ -99,8 +100,10 @@ def set_thresholds(model: nn.Module, tensors: dict[str, torch.Tensor], source: s
     expected = {k: v.shape for k, v in threshold_tensors(model).items()}
     got = {k: v.shape for k, v in tensors.items()}
     if got != expected:
-        raise LtmpError(f"thresholds{' in ' + source if source else ''} do not fit this model's patch "
-                        f"(file holds {got}, the model needs {expected})")
+        raise LtmpError(
+            f"thresholds{' in ' + source if source else ''} do not fit this model's patch "
+            f"(file holds {got}, the model needs {expected})"
+        )
     with torch.no_grad():
         for kind, values in tensors.items():
             for blk, v in zip(blocks(model), values):
@@ -114,13 +117,22 @@ def save_thresholds(model: nn.Module, path: str | os.PathLike, extra: dict[str, 
     model = _unwrap(model)
     cfg = getattr(model, "ltmp_config", None)
     if cfg is None or not cfg.learned:
-        raise LtmpError(f"save_thresholds needs a model patched with a learned-threshold method "
-                        f"({', '.join(LEARNED)})")
-    meta = {"format": FORMAT, "version": VERSION, "method": cfg.method, "tau": repr(cfg.tau),
-            "importance": cfg.importance, **describe(model), **(extra or {})}
+        raise LtmpError(f"save_thresholds needs a model patched with a learned-threshold method ({', '.join(LEARNED)})")
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "method": cfg.method,
+        "tau": repr(cfg.tau),
+        "importance": cfg.importance,
+        **describe(model),
+        **(extra or {}),
+    }
     tensors = {k: v.contiguous() for k, v in threshold_tensors(model).items()}
-    _require_finite(tensors, f"nothing was written to {path}; a diverged training run (lower --lr-merge or "
-                             f"--lr-prune) or a value set by hand")
+    _require_finite(
+        tensors,
+        f"nothing was written to {path}; a diverged training run (lower --lr-merge or "
+        f"--lr-prune) or a value set by hand",
+    )
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
@@ -138,32 +150,43 @@ def read_thresholds(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
 
     path = Path(path)
     if path.is_dir():
-        raise LtmpError(f"thresholds file {path} is a folder; pass the thresholds.safetensors file in it, written "
-                        f"by 'ltmp train'")
+        raise LtmpError(
+            f"thresholds file {path} is a folder; pass the thresholds.safetensors file in it, written by 'ltmp train'"
+        )
     if not path.is_file():
-        raise LtmpError(f"thresholds file {path} does not exist; pass the thresholds.safetensors written by "
-                        f"'ltmp train'")
+        raise LtmpError(
+            f"thresholds file {path} does not exist; pass the thresholds.safetensors written by 'ltmp train'"
+        )
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises several types for corrupt files
-        raise LtmpError(f"cannot read thresholds file {path} ({type(e).__name__}: {e}); pass a "
-                        f"thresholds.safetensors written by 'ltmp train'") from None
+        raise LtmpError(
+            f"cannot read thresholds file {path} ({type(e).__name__}: {e}); pass a "
+            f"thresholds.safetensors written by 'ltmp train'"
+        ) from None
     if meta.get("format") != FORMAT:
-        raise LtmpError(f"{path} is not an ltmp thresholds file (no '{FORMAT}' metadata); pass a "
-                        f"thresholds.safetensors written by 'ltmp train'")
+        raise LtmpError(
+            f"{path} is not an ltmp thresholds file (no '{FORMAT}' metadata); pass a "
+            f"thresholds.safetensors written by 'ltmp train'"
+        )
     try:
         tau = float(meta.get("tau", ""))
     except ValueError:
         tau = math.nan
-    fits = {"method": meta.get("method") in LEARNED, "tau": 0 < tau < math.inf,
-            "importance": meta.get("importance") in ("mean", "cls"),
-            "tensors": bool(tensors) and set(tensors) <= set(THRESHOLD_NAMES)}
+    fits = {
+        "method": meta.get("method") in LEARNED,
+        "tau": 0 < tau < math.inf,
+        "importance": meta.get("importance") in ("mean", "cls"),
+        "tensors": bool(tensors) and set(tensors) <= set(THRESHOLD_NAMES),
+    }
     bad = next((key for key, ok in fits.items() if not ok), None)
     if bad:
-        raise LtmpError(f"{path} is damaged: its {bad} ({meta.get(bad, sorted(tensors))!r}) is not what 'ltmp "
-                        f"train' writes; train or calibrate the thresholds again")
+        raise LtmpError(
+            f"{path} is damaged: its {bad} ({meta.get(bad, sorted(tensors))!r}) is not what 'ltmp "
+            f"train' writes; train or calibrate the thresholds again"
+        )
     _require_finite(tensors, f"{path} is damaged; train or calibrate the thresholds again")
     return tensors, meta
 
@@ -185,13 +208,16 @@ def load_thresholds(model: nn.Module, path: str | os.PathLike) -> nn.Module:
                 f"thresholds in {path} were made for another model ({meta.get('model')}: depth {meta.get('depth')}, "
                 f"embed dim {meta.get('embed_dim')}, {meta.get('num_prefix_tokens')} prefix tokens); this model "
                 f"({have['model']}) has depth {have['depth']}, embed dim {have['embed_dim']}, "
-                f"{have['num_prefix_tokens']} prefix tokens; use thresholds trained for this model")
+                f"{have['num_prefix_tokens']} prefix tokens; use thresholds trained for this model"
+            )
     if meta.get("patch_grid") != have["patch_grid"]:
-        warnings.warn(f"thresholds in {path} were trained on a {meta.get('patch_grid')} patch grid "
-                      f"({meta.get('img_size')} px) and this model uses {have['patch_grid']} ({have['img_size']} px); "
-                      f"importance scores scale with the token count, so the reduction will differ", stacklevel=2)
+        warnings.warn(
+            f"thresholds in {path} were trained on a {meta.get('patch_grid')} patch grid "
+            f"({meta.get('img_size')} px) and this model uses {have['patch_grid']} ({have['img_size']} px); "
+            f"importance scores scale with the token count, so the reduction will differ",
+            stacklevel=2,
+        )
     trace = getattr(getattr(target, "ltmp_config", None), "trace_source", False)
     patch(target, meta["method"], tau=float(meta["tau"]), importance=meta["importance"], trace_source=trace)
     set_thresholds(target, tensors, str(path))
     return model
-

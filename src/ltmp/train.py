@@ -4,6 +4,7 @@ No argparse and no globals: ``ltmp.cli`` builds a :class:`TrainConfig` and calls
 training runs under ``torchrun`` (torch.distributed: gloo on the CPU, nccl on GPUs). Models and devices come from
 :mod:`ltmp.runtime`, evaluation from :mod:`ltmp.evaluate`, the calibrated start from :mod:`ltmp.calibrate`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -147,8 +148,11 @@ def resolve(cfg: TrainConfig, steps: int | None = None, spreads: dict[str, float
     if optimizer == "sgd":
         lr_merge = defaults["lr_merge"] * PAPER_STEPS / steps if steps else None
         defaults["lr_merge"] = lr_merge
-        defaults["lr_prune"] = None if lr_merge is None or spreads is None else (
-            (cfg.lr_merge or lr_merge) * (spreads["prune_threshold"] / spreads["merge_threshold"]) ** 2)
+        defaults["lr_prune"] = (
+            None
+            if lr_merge is None or spreads is None
+            else ((cfg.lr_merge or lr_merge) * (spreads["prune_threshold"] / spreads["merge_threshold"]) ** 2)
+        )
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
@@ -204,8 +208,9 @@ class StepBatches(Sampler):
     seeds the augmentation.
     """
 
-    def __init__(self, n: int, global_batch: int, total_steps: int, seed: int, rank: int = 0, world: int = 1,
-                 start: int = 0):
+    def __init__(
+        self, n: int, global_batch: int, total_steps: int, seed: int, rank: int = 0, world: int = 1, start: int = 0
+    ):
         if global_batch % world:
             raise TrainError(f"--batch-size {global_batch} must be divisible by the {world} processes")
         self.n, self.batch, self.total, self.seed = n, global_batch, total_steps, seed
@@ -225,8 +230,8 @@ class StepBatches(Sampler):
             if epoch != perm_epoch:
                 perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
                 perm_epoch = epoch
-            glob = perm[k * self.batch:(k + 1) * self.batch]
-            mine = glob[self.rank * per_rank:(self.rank + 1) * per_rank]
+            glob = perm[k * self.batch : (k + 1) * self.batch]
+            mine = glob[self.rank * per_rank : (self.rank + 1) * per_rank]
             yield [(int(i), epoch) for i in mine]
 
 
@@ -248,31 +253,74 @@ class EpochIndexed(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------------------------------- checkpoints
 
 
-def save_checkpoint(model: nn.Module, path: Path, step: int, cfg: TrainConfig, carry: dict[str, float] | None = None,
-                    opt: torch.optim.Optimizer | None = None) -> None:
+def save_checkpoint(
+    model: nn.Module,
+    path: Path,
+    step: int,
+    cfg: TrainConfig,
+    carry: dict[str, float] | None = None,
+    opt: torch.optim.Optimizer | None = None,
+) -> None:
     """Thresholds, optimizer state and ``carry`` (the budget's own state: ``mu`` of ``budget="constraint"``, the
     last shift's size of ``budget="projected"``) at ``step``, written atomically."""
     from safetensors.torch import save_file
 
     tensors = {k: v.contiguous() for k, v in threshold_tensors(model).items()}
-    for i, state in (opt.state_dict()["state"].items() if opt is not None else ()):  # Adam's moments and step
+    for i, state in opt.state_dict()["state"].items() if opt is not None else ():  # Adam's moments and step
         for key, value in state.items():
             tensors[f"opt.{i}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
-    meta = {"format": "ltmp-train-checkpoint", "step": str(step), "config": json.dumps(dataclasses.asdict(cfg)),
-            **{k: repr(float(v)) for k, v in (carry or {}).items()}}
+    meta = {
+        "format": "ltmp-train-checkpoint",
+        "step": str(step),
+        "config": json.dumps(dataclasses.asdict(cfg)),
+        **{k: repr(float(v)) for k, v in (carry or {}).items()},
+    }
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
 #: settings that must not change when a run resumes (they decide which images and targets each step sees)
-RESUME_KEYS = ("model", "data_dir", "method", "importance", "r_target", "batch_size", "epochs", "steps", "seed",
-               "holdout", "max_train_images", "augment", "train_split", "tau", "lam", "mask_grad", "merge_grad",
-               "budget", "optimizer", "distill", "label_smoothing", "combine", "importance_rows", "train_order",
-               "budget_tokens", "budget_pool", "clamp")
+RESUME_KEYS = (
+    "model",
+    "data_dir",
+    "method",
+    "importance",
+    "r_target",
+    "batch_size",
+    "epochs",
+    "steps",
+    "seed",
+    "holdout",
+    "max_train_images",
+    "augment",
+    "train_split",
+    "tau",
+    "lam",
+    "mask_grad",
+    "merge_grad",
+    "budget",
+    "optimizer",
+    "distill",
+    "label_smoothing",
+    "combine",
+    "importance_rows",
+    "train_order",
+    "budget_tokens",
+    "budget_pool",
+    "clamp",
+)
 
 
 #: values of settings added later, for checkpoints written before they existed
-LEGACY = {"distill": 0.0, "label_smoothing": 0.0, "combine": "product", "importance_rows": "survivors",
-          "train_order": "positions", "budget_tokens": "patches", "budget_pool": "image", "clamp": "scores"}
+LEGACY = {
+    "distill": 0.0,
+    "label_smoothing": 0.0,
+    "combine": "product",
+    "importance_rows": "survivors",
+    "train_order": "positions",
+    "budget_tokens": "patches",
+    "budget_pool": "image",
+    "clamp": "scores",
+}
 
 
 def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tuple[int, dict[str, float], dict]:
@@ -294,8 +342,10 @@ def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tup
     changed = [k for k in RESUME_KEYS if saved.get(k, LEGACY.get(k)) != now[k]]
     if changed:
         k = changed[0]
-        raise TrainError(f"cannot resume {path.parent}: it was started with {k}={saved.get(k)!r}, not "
-                         f"{now[k]!r}; resume with the same settings or use another --output")
+        raise TrainError(
+            f"cannot resume {path.parent}: it was started with {k}={saved.get(k)!r}, not "
+            f"{now[k]!r}; resume with the same settings or use another --output"
+        )
     opt_state: dict[int, dict] = {}
     for key in [k for k in tensors if k.startswith("opt.")]:
         _, i, name = key.split(".", 2)
@@ -311,15 +361,18 @@ def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tup
 def build_train_data(cfg: TrainConfig, model: nn.Module):
     root = ldata.resolve_root(cfg.data_dir)
     train_tf, eval_tf, data_cfg = ldata.transforms_for(model, cfg.augment)
-    train_set = ldata.ImageFolder(ldata.split_dir(root, cfg.train_split), train_tf,
-                                  hint=f"training reads the {cfg.train_split}/ split of --data-dir")
+    train_set = ldata.ImageFolder(
+        ldata.split_dir(root, cfg.train_split),
+        train_tf,
+        hint=f"training reads the {cfg.train_split}/ split of --data-dir",
+    )
     indices = list(range(len(train_set)))
     held: list[int] = []
     if cfg.holdout:
         indices, held = ldata.holdout_split(len(train_set), cfg.holdout)
     if cfg.max_train_images:
         g = torch.Generator().manual_seed(cfg.seed + 104729)
-        pick = torch.randperm(len(indices), generator=g)[:cfg.max_train_images].tolist()
+        pick = torch.randperm(len(indices), generator=g)[: cfg.max_train_images].tolist()
         indices = sorted(indices[i] for i in pick)
     if held:
         val_set = Subset(ldata.ImageFolder(train_set.root, eval_tf, train_set.classes), held)
@@ -362,11 +415,12 @@ def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:
         raise TrainError(f"--output {out} is a file; pass a run folder (new, or one to --resume)")
     ckpt, done = out / "checkpoint.safetensors", out / "thresholds.safetensors"
     if resume and done.exists() and not ckpt.exists():
-        raise TrainError(f"{out} holds a finished run and no checkpoint, so there is nothing to resume; pass "
-                         f"--overwrite to train it again, or another --output")
+        raise TrainError(
+            f"{out} holds a finished run and no checkpoint, so there is nothing to resume; pass "
+            f"--overwrite to train it again, or another --output"
+        )
     if not (resume or overwrite) and ckpt.exists():
-        raise TrainError(f"{out} holds an interrupted run; resume it with --resume, or pass --overwrite to start "
-                         f"over")
+        raise TrainError(f"{out} holds an interrupted run; resume it with --resume, or pass --overwrite to start over")
     if not (resume or overwrite) and done.exists():
         raise TrainError(f"{out} already holds a finished run; pass --overwrite to replace it, or another --output")
 
@@ -398,37 +452,57 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, overwri
         raise
 
 
-def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume: bool, overwrite: bool,
-           progress: bool) -> dict:
+def _train(
+    cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume: bool, overwrite: bool, progress: bool
+) -> dict:
     ckpt_path = out / "checkpoint.safetensors"
     torch.manual_seed(cfg.seed)
-    model = create_model(cfg.model, cfg.pretrained, cfg.checkpoint,
-                         (cfg.data_dir, cfg.train_split))  # open_clip: a zero-shot classifier of these classes
+    model = create_model(
+        cfg.model, cfg.pretrained, cfg.checkpoint, (cfg.data_dir, cfg.train_split)
+    )  # open_clip: a zero-shot classifier of these classes
     require_classifier(model)
     teacher = None
     if cfg.distill > 0:  # the same weights without reduction: its logits are the target of the distillation term
         teacher = copy.deepcopy(model).eval().requires_grad_(False).to(device)
-    patch(model, cfg.method, tau=cfg.tau, importance=cfg.importance, merge_threshold=cfg.merge_init,
-          prune_threshold=cfg.prune_init, mask_grad=cfg.mask_grad, merge_grad=cfg.merge_grad)
+    patch(
+        model,
+        cfg.method,
+        tau=cfg.tau,
+        importance=cfg.importance,
+        merge_threshold=cfg.merge_init,
+        prune_threshold=cfg.prune_init,
+        mask_grad=cfg.mask_grad,
+        merge_grad=cfg.merge_grad,
+    )
     for key in ("combine", "importance_rows", "train_order"):  # train mode only: eval is the same either way
         setattr(model.ltmp_config, key, getattr(cfg, key))
     model.to(device)
     threshold_training_mode(model)
     train_set, indices, val_set, data_cfg = build_train_data(cfg, model)
     if not any(ldata.readable(train_set.samples[i][0]) for i in indices):  # stops at the first readable image
-        raise TrainError(f"none of the {len(indices)} training images in {train_set.root} can be read; pass a "
-                         f"--data-dir whose train/ holds JPEG or PNG images")
+        raise TrainError(
+            f"none of the {len(indices)} training images in {train_set.root} can be read; pass a "
+            f"--data-dir whose train/ holds JPEG or PNG images"
+        )
     steps = total_steps(cfg, len(indices))
     spreads = None
     if needs_spreads(cfg):  # measured on clean training images, before any training step
-        spreads = score_spreads(model, calibration_batch(model, train_set.root, cfg.calibrate_images, cfg.seed + 61,
-                                                         indices, train_set.classes), device, cfg.batch_size)
+        spreads = score_spreads(
+            model,
+            calibration_batch(model, train_set.root, cfg.calibrate_images, cfg.seed + 61, indices, train_set.classes),
+            device,
+            cfg.batch_size,
+        )
         threshold_training_mode(model)
     cfg = resolve(cfg, steps, spreads)
     start, carry, opt_state = 0, {"mu": 0.0, "shift_step": 0.0}, {}
     if cfg.calibrate and not (resume and ckpt_path.exists()):
-        calibrate(model, calibration_batch(model, train_set.root, cfg.calibrate_images, cfg.seed + 31, indices,
-                                           train_set.classes), cfg.r_target, device)
+        calibrate(
+            model,
+            calibration_batch(model, train_set.root, cfg.calibrate_images, cfg.seed + 31, indices, train_set.classes),
+            cfg.r_target,
+            device,
+        )
         threshold_training_mode(model)
     if resume and ckpt_path.exists():
         start, carry, opt_state = load_checkpoint_state(model, ckpt_path, cfg)
@@ -440,8 +514,9 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
         net = compile_model(net, device, train=True)
     merge_p = [p for n, p in model.named_parameters() if n.endswith("merge_threshold")]
     prune_p = [p for n, p in model.named_parameters() if n.endswith("prune_threshold")]
-    groups = [g for g in ({"params": merge_p, "lr": cfg.lr_merge}, {"params": prune_p, "lr": cfg.lr_prune})
-              if g["params"]]
+    groups = [
+        g for g in ({"params": merge_p, "lr": cfg.lr_merge}, {"params": prune_p, "lr": cfg.lr_prune}) if g["params"]
+    ]
     opt = {"adam": torch.optim.Adam, "group": GroupAdam, "sgd": torch.optim.SGD}[cfg.optimizer](groups)
     if opt_state:
         saved = opt.state_dict()
@@ -451,17 +526,29 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(cfg.amp, device) == torch.float16)
 
     sampler = StepBatches(len(indices), cfg.batch_size, steps, cfg.seed, ddp.rank, ddp.world, start)
-    loader = DataLoader(EpochIndexed(train_set, indices, cfg.seed), batch_sampler=sampler,
-                        num_workers=cfg.workers, collate_fn=ldata.collate_skip,
-                        persistent_workers=False, pin_memory=device.type == "cuda")
+    loader = DataLoader(
+        EpochIndexed(train_set, indices, cfg.seed),
+        batch_sampler=sampler,
+        num_workers=cfg.workers,
+        collate_fn=ldata.collate_skip,
+        persistent_workers=False,
+        pin_memory=device.type == "cuda",
+    )
     log_path = out / "log.jsonl"
     if ddp.main:
         out.mkdir(parents=True, exist_ok=True)
         for name in ("checkpoint.safetensors", "thresholds.safetensors", "eval.json") if overwrite else ():
             (out / name).unlink(missing_ok=True)  # the run being replaced, as asked
-        resolved = {**dataclasses.asdict(cfg), "total_steps": steps, "train_images": len(indices),
-                    "world_size": ddp.world, "device": str(device), "data_config": data_cfg, "score_spreads": spreads,
-                    "torch": torch.__version__}
+        resolved = {
+            **dataclasses.asdict(cfg),
+            "total_steps": steps,
+            "train_images": len(indices),
+            "world_size": ddp.world,
+            "device": str(device),
+            "data_config": data_cfg,
+            "score_spreads": spreads,
+            "torch": torch.__version__,
+        }
         write_json(out / "config.json", resolved)
         kept_lines = []
         if start and log_path.exists():
@@ -472,8 +559,13 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
     if progress and ddp.main:
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, initial=start, desc=f"train {cfg.method} r_target={cfg.r_target}", unit="step",
-                   dynamic_ncols=True)
+        bar = tqdm(
+            total=steps,
+            initial=start,
+            desc=f"train {cfg.method} r_target={cfg.r_target}",
+            unit="step",
+            dynamic_ncols=True,
+        )
     skipped = 0
     empty_runs = None  # per block: steps in a row in which it removed every patch token (_collapse_check)
     last: dict = {}
@@ -505,8 +597,9 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
                 raise TrainError(_collapse_message(model, cfg, empty_runs.index(max(empty_runs)), step + 1))
             opt.zero_grad(set_to_none=True)
             if cfg.budget == "projected":
-                r = projected_gradients(model, task, merge_p, prune_p, ddp, scaler.get_scale()
-                                        if scaler.is_enabled() else 1.0)
+                r = projected_gradients(
+                    model, task, merge_p, prune_p, ddp, scaler.get_scale() if scaler.is_enabled() else 1.0
+                )
                 if all(p.grad is None or torch.isfinite(p.grad).all() for p in merge_p + prune_p):
                     opt.step()
                 project_thresholds(model, merge_p, prune_p, cfg.clamp)
@@ -530,12 +623,22 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
             done = step + 1
             if ddp.main:
                 ips = seen / max(time.perf_counter() - t0, 1e-9)
-                values = torch.stack([v.detach().float().reshape(()) for v in (loss, ce, task, reg, r, *merge_p,
-                                                                                    *prune_p)])
+                values = torch.stack(
+                    [v.detach().float().reshape(()) for v in (loss, ce, task, reg, r, *merge_p, *prune_p)]
+                )
                 loss_v, ce_v, task_v, reg_v, r_v, *th = values.tolist()  # one host synchronisation per step
-                last = {"step": done, "loss": loss_v, "ce": ce_v, "budget": reg_v, "r_flops": r_v,
-                        "images_per_s": round(ips, 1), "skipped": skipped, "mu": carry["mu"],
-                        "merge": th[:len(merge_p)], "prune": th[len(merge_p):]}
+                last = {
+                    "step": done,
+                    "loss": loss_v,
+                    "ce": ce_v,
+                    "budget": reg_v,
+                    "r_flops": r_v,
+                    "images_per_s": round(ips, 1),
+                    "skipped": skipped,
+                    "mu": carry["mu"],
+                    "merge": th[: len(merge_p)],
+                    "prune": th[len(merge_p) :],
+                }
                 if cfg.budget == "projected":  # the shared shift and the r_FLOPs it reached on this batch
                     last.update(shift=shift["shift"], r_flops_met=shift["r_flops"], budget_evals=shift["evals"])
                 if teacher is not None:
@@ -553,8 +656,12 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
             bar.close()
         if log_f is not None:
             log_f.close()
-    result = {"steps": steps, "train_images": len(indices), "skipped": skipped, **{k: last.get(k) for k in (
-        "r_flops", "loss")}}
+    result = {
+        "steps": steps,
+        "train_images": len(indices),
+        "skipped": skipped,
+        **{k: last.get(k) for k in ("r_flops", "loss")},
+    }
     if ddp.world > 1:
         dist.barrier()  # training is done on every rank; rank 0 settles, saves and evaluates alone
         if not ddp.main:
@@ -564,9 +671,14 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
     if cfg.settle:
         result["settle"] = {**settle(model, images, cfg.r_target, device, amp=cfg.amp), "on": where}
         threshold_training_mode(model)
-        meta.update({"r_flops_trained": repr(result["settle"]["r_flops_trained"]),
-                     "r_flops_settled": repr(result["settle"]["r_flops"]),
-                     "settle_shift": repr(result["settle"]["shift"]), "settled_on": where})
+        meta.update(
+            {
+                "r_flops_trained": repr(result["settle"]["r_flops_trained"]),
+                "r_flops_settled": repr(result["settle"]["r_flops"]),
+                "settle_shift": repr(result["settle"]["shift"]),
+                "settled_on": where,
+            }
+        )
     save_thresholds(model, out / "thresholds.safetensors", extra=meta)
     # where the learned thresholds reduce, against one shared threshold at the same r_FLOPs (on the same images)
     result["allocation"] = {**allocation(model, images[:ALLOCATION_IMAGES], device, cfg.batch_size), "on": where}
@@ -575,8 +687,7 @@ def _train(cfg: TrainConfig, ddp: Dist, device: torch.device, out: Path, resume:
         ckpt_path.unlink()
     result["thresholds"] = str(out / "thresholds.safetensors")
     if cfg.eval_after and val_set is not None:
-        loader = DataLoader(val_set, batch_size=cfg.batch_size, num_workers=cfg.workers,
-                            collate_fn=ldata.collate_skip)
+        loader = DataLoader(val_set, batch_size=cfg.batch_size, num_workers=cfg.workers, collate_fn=ldata.collate_skip)
         result["eval"] = evaluate(model, loader, device, amp=cfg.amp, progress=progress, model_name=cfg.model)
         for key in ("settle", "allocation"):
             if key in result:
@@ -605,8 +716,7 @@ def distill_loss(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Ten
         logits: (B, classes) of the reduced model.
         target_logits: (B, classes) of the same weights without reduction (no gradient).
     """
-    return F.kl_div(F.log_softmax(logits, -1), F.log_softmax(target_logits, -1), log_target=True,
-                    reduction="batchmean")
+    return F.kl_div(F.log_softmax(logits, -1), F.log_softmax(target_logits, -1), log_target=True, reduction="batchmean")
 
 
 class GroupAdam(torch.optim.Optimizer):
@@ -633,8 +743,8 @@ class GroupAdam(torch.optim.Optimizer):
                 state["exp_avg"].lerp_(p.grad, 1 - b1)
                 state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
             t = float(self.state[live[0]]["step"])
-            second = torch.stack([self.state[p]["exp_avg_sq"] for p in live]).mean() / (1 - b2 ** t)
-            scale = group["lr"] / (1 - b1 ** t) / (second.sqrt() + group["eps"])
+            second = torch.stack([self.state[p]["exp_avg_sq"] for p in live]).mean() / (1 - b2**t)
+            scale = group["lr"] / (1 - b1**t) / (second.sqrt() + group["eps"])
             for p in live:
                 p.sub_(scale * self.state[p]["exp_avg"])
 
@@ -649,8 +759,14 @@ def threshold_units(model: nn.Module, merge: list[nn.Parameter], prune: list[nn.
     return torch.tensor([1.0] * len(merge) + [top / n] * len(prune), dtype=torch.float64)
 
 
-def projected_gradients(model: nn.Module, task: torch.Tensor, merge: list[nn.Parameter],
-                        prune: list[nn.Parameter], ddp: Dist, scale: float = 1.0) -> torch.Tensor:
+def projected_gradients(
+    model: nn.Module,
+    task: torch.Tensor,
+    merge: list[nn.Parameter],
+    prune: list[nn.Parameter],
+    ddp: Dist,
+    scale: float = 1.0,
+) -> torch.Tensor:
     """Set each threshold's ``.grad`` to the task loss's gradient with its budget component removed, and return the
     global batch's mean r_FLOPs (eq. 13) of the last forward.
 
@@ -664,14 +780,18 @@ def projected_gradients(model: nn.Module, task: torch.Tensor, merge: list[nn.Par
     r = r_flops(model).mean()  # this rank's images
     g_task = torch.autograd.grad(task * scale, params, retain_graph=True, allow_unused=True)
     g_r = torch.autograd.grad(r, params, allow_unused=True)
-    flat = torch.stack([torch.zeros((), dtype=torch.float64) if g is None else g.detach().double().cpu() / s
-                        for g, s in zip(g_task + g_r, [scale] * len(params) + [1.0] * len(params))])  # (2P,)
+    flat = torch.stack(
+        [
+            torch.zeros((), dtype=torch.float64) if g is None else g.detach().double().cpu() / s
+            for g, s in zip(g_task + g_r, [scale] * len(params) + [1.0] * len(params))
+        ]
+    )  # (2P,)
     flat = torch.cat([flat, r.detach().double().cpu().reshape(1)])  # (2P + 1,)
     if ddp.world > 1:
         dist.all_reduce(flat)
         flat /= ddp.world
     units = threshold_units(model, merge, prune)  # (P,)
-    g, n = flat[:len(params)] * units, flat[len(params):-1] * units  # (P,) each, gradients in those units
+    g, n = flat[: len(params)] * units, flat[len(params) : -1] * units  # (P,) each, gradients in those units
     norm = float(n @ n)
     tangent = g - (float(g @ n) / norm) * n if norm > 0 else g  # (P,)
     for p, t in zip(params, (tangent / units).tolist()):  # back to each threshold's own units
@@ -680,8 +800,9 @@ def projected_gradients(model: nn.Module, task: torch.Tensor, merge: list[nn.Par
 
 
 @torch.no_grad()
-def meet_budget(model: nn.Module, imgs: torch.Tensor, cfg: TrainConfig, device: torch.device, ddp: Dist,
-                step: float) -> dict:
+def meet_budget(
+    model: nn.Module, imgs: torch.Tensor, cfg: TrainConfig, device: torch.device, ddp: Dist, step: float
+) -> dict:
     """Shift the merge thresholds (the prune thresholds for ``ltp``) by one amount until eval-mode r_FLOPs of
     this batch (the global batch under torchrun) meet r_target within ``BUDGET_TOLERANCE``, as
     :func:`ltmp.calibrate.settle` does once after training (:func:`ltmp.calibrate.shift_to_budget`; ``step``:
@@ -706,14 +827,23 @@ def meet_budget(model: nn.Module, imgs: torch.Tensor, cfg: TrainConfig, device: 
         threshold_training_mode(model)
         return float(total[0] / total[1])
 
-    shift, r, evals = shift_to_budget(apply, r_now, bool(merge), cfg.r_target, BUDGET_TOLERANCE, step, top - low,
-                                      BUDGET_EVALS if step else 3 * BUDGET_EVALS)  # the first search starts blind
+    shift, r, evals = shift_to_budget(
+        apply,
+        r_now,
+        bool(merge),
+        cfg.r_target,
+        BUDGET_TOLERANCE,
+        step,
+        top - low,
+        BUDGET_EVALS if step else 3 * BUDGET_EVALS,
+    )  # the first search starts blind
     return {"shift": shift, "r_flops": r, "evals": evals}
 
 
 @torch.no_grad()
-def project_thresholds(model: nn.Module, merge: list[nn.Parameter], prune: list[nn.Parameter],
-                       clamp: str = "scores") -> None:
+def project_thresholds(
+    model: nn.Module, merge: list[nn.Parameter], prune: list[nn.Parameter], clamp: str = "scores"
+) -> None:
     """Keep each threshold inside the range of the scores it compares (``clamp="scores"``): merge thresholds in
     [-1, 1] (cosine similarities), prune thresholds in [0, 1] (mean column attention, eq. 17) or [0, heads] (class
     attention summed over heads, eq. 16); or every threshold in [0, 1] (``"unit"``, as the reference code clamps).
@@ -750,11 +880,16 @@ def _collapse_check(model: nn.Module, ddp: Dist, runs: list[int] | None) -> list
 
 def _collapse_message(model: nn.Module, cfg: TrainConfig, block: int, step: int) -> str:
     blk = blocks(model)[block]
-    th = ", ".join(f"{name.split('_')[0]} threshold {float(getattr(blk, name)):.4g}" for name in THRESHOLD_NAMES
-                   if hasattr(blk, name))
-    return (f"training stopped at step {step}: block {block + 1} removed every patch token of every image for "
-            f"{COLLAPSE_STEPS} steps in a row ({th}), where the thresholds get no gradient; lower --lr-prune "
-            f"({cfg.lr_prune:g}) or --lr-merge ({cfg.lr_merge:g}) and start again")
+    th = ", ".join(
+        f"{name.split('_')[0]} threshold {float(getattr(blk, name)):.4g}"
+        for name in THRESHOLD_NAMES
+        if hasattr(blk, name)
+    )
+    return (
+        f"training stopped at step {step}: block {block + 1} removed every patch token of every image for "
+        f"{COLLAPSE_STEPS} steps in a row ({th}), where the thresholds get no gradient; lower --lr-prune "
+        f"({cfg.lr_prune:g}) or --lr-merge ({cfg.lr_merge:g}) and start again"
+    )
 
 
 def _log_step(line: str) -> float:
@@ -763,6 +898,3 @@ def _log_step(line: str) -> float:
         return json.loads(line)["step"]
     except (ValueError, KeyError):
         return float("inf")
-
-
-

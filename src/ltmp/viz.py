@@ -4,6 +4,7 @@ A patched model with ``trace_source=True`` records, after every block, which pat
 Each layer is drawn as the image with every merged group filled with its mean colour (group borders in white)
 and pruned patches greyed out.
 """
+
 from __future__ import annotations
 
 import os
@@ -83,8 +84,7 @@ def save_figure(fig, path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
-def plot_layers(rows: list[tuple[str, np.ndarray, list[np.ndarray]]], path: str | os.PathLike,
-                title: str = "") -> None:
+def plot_layers(rows: list[tuple[str, np.ndarray, list[np.ndarray]]], path: str | os.PathLike, title: str = "") -> None:
     """A PNG grid: one row per image (input, then the token groups after every block).
 
     Args:
@@ -96,8 +96,7 @@ def plot_layers(rows: list[tuple[str, np.ndarray, list[np.ndarray]]], path: str 
     import matplotlib.pyplot as plt
 
     depth = len(rows[0][2])
-    fig, axes = plt.subplots(len(rows), depth + 1, figsize=(1.3 * (depth + 1), 1.45 * len(rows) + 0.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(rows), depth + 1, figsize=(1.3 * (depth + 1), 1.45 * len(rows) + 0.4), squeeze=False)
     for r, (label, img, groups) in enumerate(rows):
         axes[r, 0].imshow(img)
         axes[r, 0].set_ylabel(label, fontsize=7)
@@ -130,8 +129,13 @@ def plot_pareto(results: list[dict], path: str | os.PathLike, title: str = "") -
     markers = {"dense": "*", "ltmp": "o", "tome": "s"}
     for method, rs in sorted(by_method.items()):
         rs = sorted(rs, key=lambda r: r["gmacs"])
-        ax.plot([r["gmacs"] for r in rs], [r["top1"] for r in rs], marker=markers.get(method, "^"),
-                label=method, ms=9 if method == "dense" else 5)
+        ax.plot(
+            [r["gmacs"] for r in rs],
+            [r["top1"] for r in rs],
+            marker=markers.get(method, "^"),
+            label=method,
+            ms=9 if method == "dense" else 5,
+        )
     ax.set_xlabel("GMACs per image")
     ax.set_ylabel("top-1 accuracy (%)")
     ax.grid(alpha=0.3, which="both")
@@ -146,4 +150,3 @@ def denormalize(x: torch.Tensor, mean, std) -> np.ndarray:
     m = torch.tensor(mean).view(3, 1, 1)
     s = torch.tensor(std).view(3, 1, 1)
     return (x.cpu().float() * s + m).clamp(0, 1).permute(1, 2, 0).numpy()
-

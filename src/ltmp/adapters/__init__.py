@@ -6,6 +6,7 @@ reduction step of the paper's Figure 2, then ``x + mlp(norm2(x))``), and lets th
 apply the family's head. One small file per family: :mod:`.timm`, :mod:`.hf` (Hugging Face transformers),
 :mod:`.open_clip`; docs/families.md says how to add one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,15 @@ class BlockView:
 
 def linear_macs(*mods: nn.Module | None) -> float:
     """in * out multiply-accumulates per token of every nn.Linear inside ``mods``."""
-    return float(sum(m.in_features * m.out_features for mod in mods if mod is not None for m in mod.modules()
-                     if isinstance(m, nn.Linear)))
+    return float(
+        sum(
+            m.in_features * m.out_features
+            for mod in mods
+            if mod is not None
+            for m in mod.modules()
+            if isinstance(m, nn.Linear)
+        )
+    )
 
 
 def conv_macs(conv: nn.Conv2d) -> float:
@@ -68,8 +76,15 @@ def norm_macs(*mods: nn.Module | None, count: bool = True) -> float:
     """fvcore's LayerNorm MACs per token inside ``mods``: 5 per element (4 without affine); 0 unless ``count``."""
     if not count:
         return 0.0
-    return float(sum((5 if m.elementwise_affine else 4) * math.prod(m.normalized_shape) for mod in mods
-                     if mod is not None for m in mod.modules() if isinstance(m, nn.LayerNorm)))
+    return float(
+        sum(
+            (5 if m.elementwise_affine else 4) * math.prod(m.normalized_shape)
+            for mod in mods
+            if mod is not None
+            for m in mod.modules()
+            if isinstance(m, nn.LayerNorm)
+        )
+    )
 
 
 class Adapter:
@@ -167,8 +182,9 @@ def adapter_for(model: nn.Module, check: bool = False) -> Adapter:
                 found = a
                 break
     if found is None:
-        raise UnsupportedModelError(f"ltmp.patch cannot handle {type(model).__name__} "
-                                    f"({type(model).__module__}); it supports {supported()}")
+        raise UnsupportedModelError(
+            f"ltmp.patch cannot handle {type(model).__name__} ({type(model).__module__}); it supports {supported()}"
+        )
     if check:
         found.check(model)
     return found

@@ -7,6 +7,7 @@ the surviving tokens (padded in an eval batch: ``ltmp.stats`` says how many each
 class token work unchanged; ``Dinov2ForImageClassification``'s patch mean and SigLIP's attention-pool head pool over
 the surviving tokens with merged tokens weighted by their size.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -19,9 +20,16 @@ from . import Adapter, BlockView, conv_macs, identity, linear_macs, mean_pool, n
 
 #: class name -> the head on top of the backbone ("" for a backbone itself)
 HEADS = {
-    "ViTModel": "", "DeiTModel": "", "Dinov2Model": "", "Dinov2WithRegistersModel": "", "CLIPVisionModel": "",
-    "SiglipVisionModel": "", "ViTForImageClassification": "class", "DeiTForImageClassification": "class",
-    "DeiTForImageClassificationWithTeacher": "teacher", "Dinov2ForImageClassification": "dinov2",
+    "ViTModel": "",
+    "DeiTModel": "",
+    "Dinov2Model": "",
+    "Dinov2WithRegistersModel": "",
+    "CLIPVisionModel": "",
+    "SiglipVisionModel": "",
+    "ViTForImageClassification": "class",
+    "DeiTForImageClassification": "class",
+    "DeiTForImageClassificationWithTeacher": "teacher",
+    "Dinov2ForImageClassification": "dinov2",
     "CLIPVisionModelWithProjection": "projection",
 }
 SUPPORTED = f"transformers (5.x) {', '.join(HEADS)}"
@@ -54,8 +62,10 @@ def _attention(layer: nn.Module) -> nn.Module:
 
 def _norms(layer: nn.Module) -> tuple[nn.Module, nn.Module]:
     """The norms before attention and before the MLP."""
-    return (_first(layer, ("layernorm_before", "norm1", "layer_norm1")),
-            _first(layer, ("layernorm_after", "norm2", "layer_norm2")))
+    return (
+        _first(layer, ("layernorm_before", "norm1", "layer_norm1")),
+        _first(layer, ("layernorm_after", "norm2", "layer_norm2")),
+    )
 
 
 class HFAdapter(Adapter):
@@ -71,8 +81,10 @@ class HFAdapter(Adapter):
             raise UnsupportedModelError(f"ltmp.patch cannot handle {name}; it supports {SUPPORTED}")
         attn = _attention(_layers(backbone(model))[0])
         if getattr(attn, "q_proj", None) is None:
-            raise UnsupportedModelError(f"ltmp.patch needs the transformers 5 layout of {name} (q_proj/k_proj/v_proj "
-                                        f"in every attention); upgrade with: pip install 'transformers>=5'")
+            raise UnsupportedModelError(
+                f"ltmp.patch needs the transformers 5 layout of {name} (q_proj/k_proj/v_proj "
+                f"in every attention); upgrade with: pip install 'transformers>=5'"
+            )
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return _layers(backbone(model))
@@ -85,12 +97,16 @@ class HFAdapter(Adapter):
         drop = _first(blk, ("drop_path", "dropout"), identity)  # Dinov2: drop path; ViT/DeiT: hidden dropout
 
         return BlockView(
-            norm1=norm1, qkv=lambda y: torch.cat([attn.q_proj(y), attn.k_proj(y), attn.v_proj(y)], -1),  # (..., 3 H D)
-            heads=_first(attn, ("num_heads", "num_attention_heads")), head_dim=attn.head_dim,
-            scale=_first(attn, ("scaling", "scale")), attn_drop=float(_first(attn, ("attention_dropout", "dropout"))),
+            norm1=norm1,
+            qkv=lambda y: torch.cat([attn.q_proj(y), attn.k_proj(y), attn.v_proj(y)], -1),  # (..., 3 H D)
+            heads=_first(attn, ("num_heads", "num_attention_heads")),
+            head_dim=attn.head_dim,
+            scale=_first(attn, ("scaling", "scale")),
+            attn_drop=float(_first(attn, ("attention_dropout", "dropout"))),
             training=attn.training,
             out=lambda t: drop(ls1(proj(t))),
-            mlp=lambda t: drop(ls2(blk.mlp(norm2(t)))))
+            mlp=lambda t: drop(ls2(blk.mlp(norm2(t)))),
+        )
 
     def num_prefix(self, model: nn.Module) -> int:
         emb = backbone(model).embeddings
@@ -113,8 +129,10 @@ class HFAdapter(Adapter):
 
     def token_macs(self, model: nn.Module, blk: nn.Module, count_norm: bool) -> tuple[float, float]:
         norm1, norm2 = _norms(blk)
-        return (norm_macs(norm1, count=count_norm) + linear_macs(_attention(blk)),
-                norm_macs(norm2, blk.mlp, count=count_norm) + linear_macs(blk.mlp))
+        return (
+            norm_macs(norm1, count=count_norm) + linear_macs(_attention(blk)),
+            norm_macs(norm2, blk.mlp, count=count_norm) + linear_macs(blk.mlp),
+        )
 
     def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
         emb = backbone(model).embeddings
@@ -126,8 +144,12 @@ class HFAdapter(Adapter):
     def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
         bb = backbone(model)
         final = norm_macs(_first(bb, ("layernorm",)), count=count_norm)
-        head = linear_macs(getattr(bb, "pooler", None), _first(model, ("classifier", "cls_classifier")),
-                           getattr(model, "distillation_classifier", None), getattr(model, "visual_projection", None))
+        head = linear_macs(
+            getattr(bb, "pooler", None),
+            _first(model, ("classifier", "cls_classifier")),
+            getattr(model, "distillation_classifier", None),
+            getattr(model, "visual_projection", None),
+        )
         post = getattr(bb, "post_layernorm", None)
         if _name(bb) == "CLIPVisionModel":
             head += norm_macs(post, count=count_norm)  # on the class token only
@@ -140,27 +162,40 @@ class HFAdapter(Adapter):
             head += C * C + linear_macs(pool) + norm_macs(pool, count=count_norm)
         return final, head
 
-    def forward(self, model: nn.Module, pixel_values: Tensor | None = None, *, labels: Tensor | None = None,
-                interpolate_pos_encoding: bool | None = None, bool_masked_pos: Tensor | None = None,
-                attention_mask: Tensor | None = None, return_dict: bool | None = None, **kwargs):
+    def forward(
+        self,
+        model: nn.Module,
+        pixel_values: Tensor | None = None,
+        *,
+        labels: Tensor | None = None,
+        interpolate_pos_encoding: bool | None = None,
+        bool_masked_pos: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
         """The model's forward with the blocks reduced. Arguments after ``pixel_values`` are keyword-only (their
         positions differ between the transformers classes)."""
-        out = self._forward(model, pixel_values, labels, interpolate_pos_encoding, bool_masked_pos, attention_mask,
-                            **kwargs)
+        out = self._forward(
+            model, pixel_values, labels, interpolate_pos_encoding, bool_masked_pos, attention_mask, **kwargs
+        )
         if return_dict is None:
             return_dict = getattr(model.config, "use_return_dict", getattr(model.config, "return_dict", True))
         return out if return_dict else out.to_tuple()
 
-    def _forward(self, model, pixel_values, labels, interpolate_pos_encoding, bool_masked_pos, attention_mask,
-                 **kwargs):
+    def _forward(
+        self, model, pixel_values, labels, interpolate_pos_encoding, bool_masked_pos, attention_mask, **kwargs
+    ):
         from transformers.modeling_outputs import ImageClassifierOutput
 
         from ..engine import encode
 
         for flag in ("output_attentions", "output_hidden_states"):
             if kwargs.pop(flag, None) or getattr(model.config, flag, False):
-                raise LtmpError(f"{flag}=True is not available on a model patched by ltmp (the token count changes "
-                                f"between layers); read ltmp.stats(model) for what each block kept")
+                raise LtmpError(
+                    f"{flag}=True is not available on a model patched by ltmp (the token count changes "
+                    f"between layers); read ltmp.stats(model) for what each block kept"
+                )
         if pixel_values is None or attention_mask is not None:
             raise LtmpError("a model patched by ltmp needs pixel_values and no attention_mask")
         bb, kind = backbone(model), HEADS[_name(model)]
@@ -182,14 +217,14 @@ class HFAdapter(Adapter):
         if kind == "projection":
             from transformers.models.clip.modeling_clip import CLIPVisionModelOutput
 
-            return CLIPVisionModelOutput(image_embeds=model.visual_projection(out.pooler_output),
-                                         last_hidden_state=seq)
+            return CLIPVisionModelOutput(image_embeds=model.visual_projection(out.pooler_output), last_hidden_state=seq)
         if kind == "teacher":
             from transformers.models.deit.modeling_deit import DeiTForImageClassificationWithTeacherOutput
 
             cls_logits, dist_logits = model.cls_classifier(seq[:, 0]), model.distillation_classifier(seq[:, 1])
-            return DeiTForImageClassificationWithTeacherOutput(logits=(cls_logits + dist_logits) / 2,
-                                                               cls_logits=cls_logits, distillation_logits=dist_logits)
+            return DeiTForImageClassificationWithTeacherOutput(
+                logits=(cls_logits + dist_logits) / 2, cls_logits=cls_logits, distillation_logits=dist_logits
+            )
         if kind == "dinov2":  # class token beside the size-weighted mean of the surviving patch tokens
             logits = model.classifier(torch.cat([seq[:, 0], mean_pool(seq, state, self.num_prefix(model))], 1))
         else:
@@ -201,7 +236,6 @@ class HFAdapter(Adapter):
 def _backbone_output(bb: nn.Module, x: Tensor, state):
     """The backbone's own output object from the tokens leaving the last block."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
-
 
     name = _name(bb)
     if name == "CLIPVisionModel":  # the final norm on the class token only

@@ -7,6 +7,7 @@ final norm before or after pooling. With ``output_tokens=True`` the returned tok
 eval batch; ``ltmp.stats`` says how many each image kept). :class:`ZeroShotClassifier` turns a tower and class names
 into a classifier (CLIP's zero-shot prompts), which ``ltmp train`` and ``ltmp eval`` need.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,8 +18,10 @@ from torch import Tensor, nn
 from ..errors import UnsupportedModelError
 from . import Adapter, BlockView, conv_macs, linear_macs, mean_pool, norm_macs
 
-SUPPORTED = ("open_clip VisionTransformer (the visual tower: patch model.visual) with ResidualAttentionBlock and "
-             "'tok' or 'avg' pooling")
+SUPPORTED = (
+    "open_clip VisionTransformer (the visual tower: patch model.visual) with ResidualAttentionBlock and "
+    "'tok' or 'avg' pooling"
+)
 
 
 class ZeroShotClassifier(nn.Module):
@@ -37,8 +40,9 @@ class ZeroShotClassifier(nn.Module):
         self.pretrained_cfg = dict(getattr(visual, "pretrained_cfg", {}), num_classes=class_embeddings.shape[0])
 
     @classmethod
-    def from_clip(cls, clip: nn.Module, tokenizer, classes: Sequence[str],
-                  template: str = "a photo of a {}.") -> ZeroShotClassifier:
+    def from_clip(
+        cls, clip: nn.Module, tokenizer, classes: Sequence[str], template: str = "a photo of a {}."
+    ) -> ZeroShotClassifier:
         """The classifier of ``clip.visual`` for ``classes`` (folder names; ``_`` reads as a space)."""
         import torch
 
@@ -72,25 +76,35 @@ class OpenClipAdapter(Adapter):
         model = _tower(model)
         name = type(model).__name__
         if not isinstance(model, VisionTransformer):
-            hint = "; patch its visual tower: ltmp.patch(model.visual, ...)" if isinstance(
-                getattr(model, "visual", None), VisionTransformer) else ""
+            hint = (
+                "; patch its visual tower: ltmp.patch(model.visual, ...)"
+                if isinstance(getattr(model, "visual", None), VisionTransformer)
+                else ""
+            )
             raise UnsupportedModelError(f"ltmp.patch cannot handle {name}{hint}; it supports {SUPPORTED}")
         if not hasattr(model, "_embeds"):
-            raise UnsupportedModelError("ltmp.patch needs an open_clip_torch whose VisionTransformer has _embeds; "
-                                        "upgrade with: pip install -U open_clip_torch")
+            raise UnsupportedModelError(
+                "ltmp.patch needs an open_clip_torch whose VisionTransformer has _embeds; "
+                "upgrade with: pip install -U open_clip_torch"
+            )
         if model.attn_pool is not None:
-            raise UnsupportedModelError(f"ltmp.patch cannot handle a {name} with an attentional pooler (CoCa); it "
-                                        f"supports {SUPPORTED}")
+            raise UnsupportedModelError(
+                f"ltmp.patch cannot handle a {name} with an attentional pooler (CoCa); it supports {SUPPORTED}"
+            )
         if model.pool_type not in ("tok", "avg"):
-            raise UnsupportedModelError(f"ltmp.patch cannot handle pool_type '{model.pool_type}'; it supports "
-                                        f"{SUPPORTED}")
+            raise UnsupportedModelError(
+                f"ltmp.patch cannot handle pool_type '{model.pool_type}'; it supports {SUPPORTED}"
+            )
         for i, blk in enumerate(model.transformer.resblocks):
             if type(blk).forward is not ResidualAttentionBlock.forward:
-                raise UnsupportedModelError(f"ltmp.patch cannot handle block {i} of type {type(blk).__name__}; "
-                                            f"it supports {SUPPORTED}")
+                raise UnsupportedModelError(
+                    f"ltmp.patch cannot handle block {i} of type {type(blk).__name__}; it supports {SUPPORTED}"
+                )
             if hasattr(blk, "ln_1_kv") or not blk.attn._qkv_same_embed_dim:
-                raise UnsupportedModelError(f"ltmp.patch cannot handle block {i}: cross-attention (separate key and "
-                                            f"value inputs); it supports self-attention blocks of {SUPPORTED}")
+                raise UnsupportedModelError(
+                    f"ltmp.patch cannot handle block {i}: cross-attention (separate key and "
+                    f"value inputs); it supports self-attention blocks of {SUPPORTED}"
+                )
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return _tower(model).transformer.resblocks
@@ -98,11 +112,16 @@ class OpenClipAdapter(Adapter):
     def view(self, model: nn.Module, blk: nn.Module) -> BlockView:
         attn = blk.attn  # nn.MultiheadAttention: packed q | k | v input projection
         return BlockView(
-            norm1=blk.ln_1, qkv=lambda y: F.linear(y, attn.in_proj_weight, attn.in_proj_bias),  # (..., 3 * H * D)
-            heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.head_dim ** -0.5, attn_drop=float(attn.dropout),
+            norm1=blk.ln_1,
+            qkv=lambda y: F.linear(y, attn.in_proj_weight, attn.in_proj_bias),  # (..., 3 * H * D)
+            heads=attn.num_heads,
+            head_dim=attn.head_dim,
+            scale=attn.head_dim**-0.5,
+            attn_drop=float(attn.dropout),
             training=attn.training,
             out=lambda t: blk.ls_1(attn.out_proj(t)),
-            mlp=lambda t: blk.ls_2(blk.mlp(blk.ln_2(t))))
+            mlp=lambda t: blk.ls_2(blk.mlp(blk.ln_2(t))),
+        )
 
     def num_prefix(self, model: nn.Module) -> int:
         return 1
@@ -120,8 +139,10 @@ class OpenClipAdapter(Adapter):
     def token_macs(self, model: nn.Module, blk: nn.Module, count_norm: bool) -> tuple[float, float]:
         attn = blk.attn
         qkv = float(attn.in_proj_weight.shape[0] * attn.in_proj_weight.shape[1])  # a parameter, not an nn.Linear
-        return (norm_macs(blk.ln_1, count=count_norm) + qkv + linear_macs(attn),
-                norm_macs(blk.ln_2, count=count_norm) + linear_macs(blk.mlp))
+        return (
+            norm_macs(blk.ln_1, count=count_norm) + qkv + linear_macs(attn),
+            norm_macs(blk.ln_2, count=count_norm) + linear_macs(blk.mlp),
+        )
 
     def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
         tower = _tower(model)

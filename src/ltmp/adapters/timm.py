@@ -3,6 +3,7 @@
 Supports the standard ``Block``/``Attention`` (qk norm, layer scale, gated attention, scale norm), class,
 distillation and register prefix tokens, and ``'token'``, ``'avg'`` and ``'map'`` (attention-pool) heads.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -14,8 +15,10 @@ from torch import Tensor, nn
 from ..errors import LtmpError, UnsupportedModelError
 from . import Adapter, BlockView, conv_macs, identity, linear_macs, mean_pool, norm_macs, pool_bias
 
-SUPPORTED = ("timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
-             "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*, vit_*_siglip_*)")
+SUPPORTED = (
+    "timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
+    "(e.g. vit_*, deit_*, deit3_*, vit_*_reg*, vit_*_siglip_*)"
+)
 
 
 def _tname(obj) -> str:
@@ -42,21 +45,29 @@ class TimmAdapter(Adapter):
                 why = " (relative-position attention)"
             raise UnsupportedModelError(f"ltmp.patch cannot handle {kind}{why}; it supports {SUPPORTED}")
         pool = getattr(model, "attn_pool", None)
-        if pool is not None and (getattr(pool, "pos_embed", None) is not None
-                                 or "attn_mask" not in inspect.signature(pool.forward).parameters):
-            raise UnsupportedModelError(f"ltmp.patch cannot handle this attention-pool head ({_tname(pool)} with a "
-                                        f"position embedding, or a timm too old to mask it); it supports {SUPPORTED}")
+        if pool is not None and (
+            getattr(pool, "pos_embed", None) is not None
+            or "attn_mask" not in inspect.signature(pool.forward).parameters
+        ):
+            raise UnsupportedModelError(
+                f"ltmp.patch cannot handle this attention-pool head ({_tname(pool)} with a "
+                f"position embedding, or a timm too old to mask it); it supports {SUPPORTED}"
+            )
         if pool is None and model.global_pool not in ("token", "avg"):
-            raise UnsupportedModelError(f"ltmp.patch cannot handle global_pool='{model.global_pool}'; "
-                                        f"it supports {SUPPORTED}")
+            raise UnsupportedModelError(
+                f"ltmp.patch cannot handle global_pool='{model.global_pool}'; it supports {SUPPORTED}"
+            )
         for i, blk in enumerate(model.blocks):
             if type(blk).forward is not Block.forward:
-                raise UnsupportedModelError(f"ltmp.patch cannot handle block {i} of type {_tname(blk)}; "
-                                            f"it supports {SUPPORTED}")
+                raise UnsupportedModelError(
+                    f"ltmp.patch cannot handle block {i} of type {_tname(blk)}; it supports {SUPPORTED}"
+                )
             if type(blk.attn).forward is not Attention.forward:
-                raise UnsupportedModelError(f"ltmp.patch cannot handle attention {_tname(blk.attn)} in block {i} "
-                                            f"(rotary, relative-position and other attention variants are not "
-                                            f"supported); it supports {SUPPORTED}")
+                raise UnsupportedModelError(
+                    f"ltmp.patch cannot handle attention {_tname(blk.attn)} in block {i} "
+                    f"(rotary, relative-position and other attention variants are not "
+                    f"supported); it supports {SUPPORTED}"
+                )
 
     def blocks(self, model: nn.Module) -> Sequence[nn.Module]:
         return model.blocks
@@ -66,16 +77,26 @@ class TimmAdapter(Adapter):
         gate = None if getattr(attn, "gate", None) is None else (lambda y: attn.gate(y).sigmoid())
         # dropout in eval is the identity: not called (each call costs host time, and on a GPU it is all host time)
         proj_drop = attn.proj_drop if attn.proj_drop.training else identity
-        if type(mlp).forward is _mlp_forward() and not (mlp.drop1.training or mlp.drop2.training
-                                                         or _has_forward_hooks(mlp)):
+        if type(mlp).forward is _mlp_forward() and not (
+            mlp.drop1.training or mlp.drop2.training or _has_forward_hooks(mlp)
+        ):
             mlp = lambda t: blk.mlp.fc2(blk.mlp.norm(blk.mlp.act(blk.mlp.fc1(t))))  # noqa: E731 timm's Mlp
         return BlockView(
-            norm1=blk.norm1, qkv=attn.qkv, heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
-            attn_drop=attn.attn_drop.p, training=attn.training,
+            norm1=blk.norm1,
+            qkv=attn.qkv,
+            heads=attn.num_heads,
+            head_dim=attn.head_dim,
+            scale=attn.scale,
+            attn_drop=attn.attn_drop.p,
+            training=attn.training,
             out=lambda t: blk.drop_path1(blk.ls1(proj_drop(attn.proj(t)))),
             mlp=lambda t: blk.drop_path2(blk.ls2(mlp(blk.norm2(t)))),
-            q_norm=attn.q_norm, k_norm=attn.k_norm, head_norm=getattr(attn, "norm", None) or identity, gate=gate,
-            fused=bool(attn.fused_attn))
+            q_norm=attn.q_norm,
+            k_norm=attn.k_norm,
+            head_norm=getattr(attn, "norm", None) or identity,
+            gate=gate,
+            fused=bool(attn.fused_attn),
+        )
 
     def num_prefix(self, model: nn.Module) -> int:
         return int(model.num_prefix_tokens)
@@ -153,8 +174,9 @@ def _has_forward_hooks(module: nn.Module) -> bool:
     """Forward hooks on the module or on every module (calling its parts instead would skip them)."""
     from torch.nn.modules import module as m
 
-    return bool(module._forward_hooks or module._forward_pre_hooks or m._global_forward_hooks
-                or m._global_forward_pre_hooks)
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+    )
 
 
 def _embed(model: nn.Module, x: Tensor) -> Tensor:
