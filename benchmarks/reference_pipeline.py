@@ -266,9 +266,10 @@ def summarize(args) -> dict:
         frac = torch.cat([torch.ones(len(kept), 1, dtype=kept.dtype), kept / spec.num_patches], 1)  # (images, L + 1)
         r = r_flops_from_fracs(frac, spec.num_patches, spec.embed_dim, spec.mlp_hidden)  # (images,) eq. 13
         merged, pruned = np.array(t["merged"], dtype=float), np.array(t["pruned"], dtype=float)
-        theirs = {
-            "gmacs": float(g.mean()), "per_layer": [
-                {"merged": float(m), "pruned": float(p)} for m, p in zip(merged.mean(0), pruned.mean(0))],
+        ours = t["correct"]
+        theirs = {  # what ltmp eval --follow reads of an eval JSON
+            "method": method, "top1": 100 * ours.count("1") / len(ours), "correct": ours, "gmacs": float(g.mean()),
+            "per_layer": [{"merged": float(m), "pruned": float(p)} for m, p in zip(merged.mean(0), pruned.mean(0))],
         }  # fmt: skip
         (folder / "schedule.json").write_text(json.dumps(theirs))
         base = ["eval", "--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA),
@@ -282,7 +283,6 @@ def summarize(args) -> dict:
             if not path.exists():
                 run([*base, *flags, "--json", str(path)])
             rows[kind] = compact(json.loads(path.read_text()))
-        ours = t["correct"]
         entry = {
             "method": method, "scale": scale, "lr": dict(zip(("prune", "merge"), learning_rates(scale))),
             "thresholds": t["thresholds"], "top1": 100 * ours.count("1") / len(ours),

@@ -58,7 +58,7 @@ def kendall_tau(model: nn.Module, loader, device: torch.device | str = "cpu", ma
     from scipy.stats import kendalltau
 
     cfg = model.ltmp_config
-    if not (cfg.needs_importance and cfg.needs_metric):
+    if not ("prune" in cfg.ops and "merge" in cfg.ops):
         raise LtmpError("Kendall tau needs a method that both merges and prunes (topk-mp, ltmp)")
     model.eval().to(device)
     depth = len(blocks(model))

@@ -55,7 +55,7 @@ def calibrate(
     - ``"quantile"`` (not in the paper): a fraction f is bisected; every block's merge threshold becomes the
       quantile of its similarity scores that merges f of its set-A tokens, and its prune threshold the quantile
       of its importance scores that prunes ``prune_share * f`` of its remaining tokens (f for pruning-only
-      methods), all over the whole of ``images`` in one batch (:func:`fit_threshold`).
+      methods), all over the whole of ``images`` in one batch (``ltmp.ops.fit_threshold``).
 
     Returns:
         The r_FLOPs reached.
@@ -210,18 +210,6 @@ def settle(
     out["r_flops"] = _bisect(r_at, -span, span, bool(merge), r_target, iters)
     out["met"] = abs(out["r_flops"] - r_target) <= tolerance
     return out
-
-
-@torch.no_grad()
-def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: bool) -> None:
-    """Set a threshold so that the given fraction of ``scores`` passes it: the largest scores for merging (eq. 1:
-    merge where ``score > threshold``), the smallest for pruning. Training-free calibration (not in the paper): one
-    batch's quantiles stand in for learned thresholds."""
-    if fraction <= 0 or scores.numel() == 0:
-        threshold.fill_(math.inf if largest else -math.inf)
-        return
-    q = 1.0 - fraction if largest else fraction
-    threshold.fill_(torch.quantile(scores.detach().double().flatten(), min(max(q, 0.0), 1.0)).item())
 
 
 @torch.no_grad()

@@ -4,6 +4,11 @@ training recipes and augmentations ``ltmp train`` offers (plain data, read by th
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 #: The order of reduction operations of each method, and whether they use learned thresholds or a fixed rate.
 METHODS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -60,15 +65,6 @@ RECIPES: dict[str, dict] = {
 
 
 @dataclasses.dataclass
-class Execution:
-    """Speed choices that do not change results; None takes the device's value from ``ltmp.engine.TUNING``."""
-
-    max_buckets: int | None = None  # attention of a padded eval batch in at most this many groups (1: never)
-    group_macs: float | None = None  # the cost of one more attention group, in multiply-accumulates
-    importance_from_lse: bool | None = None  # importance from a fused kernel's log-sum-exp (ops.importance_from_lse)
-
-
-@dataclasses.dataclass
 class ReduceConfig:
     """What the reduction step does; shared by all blocks of a patched model."""
 
@@ -93,29 +89,43 @@ class ReduceConfig:
     trace_source: bool = False  # carry a map of which patches each token covers (for viz)
     capture: list | None = None  # analysis: each decision appends its scores and candidates (a Captured)
     fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
-    #                                         prunes these fractions of the block's candidates (fit_threshold)
-    execution: Execution = dataclasses.field(default_factory=Execution)
+    #                                         prunes these fractions of the block's candidates (ops.fit_threshold)
+    # derived from the fields above when made (``dataclasses.replace`` makes them anew)
+    ops: tuple[str, ...] = dataclasses.field(init=False)  # the method's operations in order (METHODS)
+    learned: bool = dataclasses.field(init=False)  # learned thresholds (else a fixed rate)
+    set_starts: tuple[int, int] = dataclasses.field(init=False)  # the first positions of ToMe's set A (even) and
+    #                                                              set B (odd) past the prefix tokens
 
-    @property
-    def ops(self) -> tuple[str, ...]:
-        return METHODS[self.method][0]
+    def __post_init__(self):
+        self.ops, kind = METHODS[self.method]
+        self.learned = kind == "threshold"
+        p = self.num_prefix
+        self.set_starts = (p + p % 2, p + 1 - p % 2)
 
-    @property
-    def learned(self) -> bool:
-        return METHODS[self.method][1] == "threshold"
 
-    @property
-    def needs_importance(self) -> bool:
-        return "prune" in self.ops
+def identity(t: Tensor) -> Tensor:
+    return t
 
-    @property
-    def needs_metric(self) -> bool:
-        return "merge" in self.ops
 
-    @property
-    def set_starts(self) -> tuple[int, int]:
-        """The first positions of ToMe's set A (even) and set B (odd) past the prefix tokens."""
-        return self.num_prefix + self.num_prefix % 2, self.num_prefix + 1 - self.num_prefix % 2
+@dataclasses.dataclass
+class BlockView:
+    """What the reduction needs from one transformer block; an adapter (``ltmp.adapters``) builds it for each
+    forward. Shapes: ``C`` model width, ``H`` heads of width ``D``; ``...`` any leading token dimensions."""
+
+    norm1: Callable[[Tensor], Tensor]  # (..., C) -> (..., C): the norm before attention
+    qkv: Callable[[Tensor], Tensor]  # (..., C) -> (..., 3 * H * D): queries | keys | values
+    heads: int  # H
+    head_dim: int  # D
+    scale: float  # multiplier of q k^T
+    attn_drop: float  # dropout probability on the attention probabilities (0 in eval)
+    out: Callable[[Tensor, Tensor], Tensor]  # the heads' output (..., H * D) and the normed input (..., C) ->
+    #                                          (..., C): the attention branch after the heads (norm, gate, output
+    #                                          projection, dropout, layer scale, drop path), before the residual
+    mlp: Callable[[Tensor], Tensor]  # (..., C) -> (..., C): the whole second branch (norm2, MLP, layer scale, drop
+    #                                  path), before the residual add
+    q_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) per-head query norm
+    k_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) per-head key norm
+    fused: bool = True  # the family allows scaled_dot_product_attention here
 
 
 #: The values of ``ltmp.train.TrainConfig``'s recipe options (the first is the default).

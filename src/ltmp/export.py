@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -21,35 +20,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .engine import exporting
 from .errors import LtmpError, first_line
 from .thresholds import atomic_write
 
 FORMATS = ("export", "onnx", "torchscript")
-
-_EXPORTING = False  # set by :func:`exporting` (ltmp.export) while torch.export traces a patched model
-
-
-@contextlib.contextmanager
-def exporting():
-    """Mark a torch.export trace of a patched model for :func:`is_exporting` (``ltmp.export`` does)."""
-    global _EXPORTING
-    before, _EXPORTING = _EXPORTING, True
-    try:
-        yield
-    finally:
-        _EXPORTING = before
-
-
-#: torch.compiler.is_exporting tells export from compile only from torch 2.14: before, Dynamo replaced the call by
-#: a constant True, also under torch.compile (pytorch/pytorch#176347, fixed by #176499).
-_TORCH_IS_EXPORTING_EXACT = torch.torch_version.TorchVersion(torch.__version__) >= (2, 14)
-
-
-def is_exporting() -> bool:
-    """True while torch.export traces the model: inside :func:`exporting`, or where
-    ``torch.compiler.is_exporting`` says so on torch >= 2.14."""
-    fn = getattr(torch.compiler, "is_exporting", None)
-    return _EXPORTING or (_TORCH_IS_EXPORTING_EXACT and fn is not None and bool(fn()))
 
 
 class _Batch1(nn.Module):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import ops
+from . import engine, ops
 from .adapters import Adapter, adapter_for
 from .config import MERGE_GRADS, METHODS, ReduceConfig
 from .errors import LtmpError
@@ -105,7 +105,7 @@ def patch(
         mask_grad=mask_grad,
         merge_grad=merge_grad,
     )
-    if cfg.importance == "cls" and cfg.needs_importance and not adapter.has_class_token(model):
+    if cfg.importance == "cls" and "prune" in cfg.ops and not adapter.has_class_token(model):
         raise LtmpError(
             "importance='cls' (class attention, eq. 16) needs a class token and this model has none; "
             "use importance='mean'"
@@ -175,19 +175,15 @@ def _allow_missing_thresholds(module: nn.Module, incompatible) -> None:
 _CLASSES: dict[type, type] = {}
 
 
-def _patched_forward(self, *args, **kwargs):
-    return type(self)._ltmp_adapter.forward(self, *args, **kwargs)
-
-
 def _patched_class(base: type, adapter: Adapter) -> type:
     if base not in _CLASSES:
         body = {
             "_ltmp_base": base,
             "_ltmp_adapter": adapter,
-            "forward": _patched_forward,
+            "forward": engine.forward,
             "__module__": base.__module__,
             "__doc__": base.__doc__,
-            **adapter.extra_methods(),
+            **adapter.extra_methods(engine.encode),
         }
         _CLASSES[base] = type(f"LTMP{base.__name__}", (base,), body)
     return _CLASSES[base]

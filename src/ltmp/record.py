@@ -1,5 +1,5 @@
-"""What the last forward of a patched model did: its record (tokens merged, pruned and kept per layer and image),
-r_FLOPs (eq. 13) and the budget loss (eq. 14)."""
+"""What the last forward of a patched model did: its record (tokens merged, pruned and kept per layer and image,
+``ltmp.engine.Record``), r_FLOPs (eq. 13) and the budget loss (eq. 14)."""
 
 from __future__ import annotations
 
@@ -7,77 +7,9 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import adapter_for
+from .engine import Record
 from .errors import LtmpError
 from .flops import budget_loss_value, r_flops_from_fracs
-
-
-class Record:
-    """The record of the last forward of a patched model, overwritten by every forward (read with ltmp.stats).
-
-    Per-layer tensors are (B, L): one row per image, one column per block. They are built on first read from the
-    blocks' counts (:class:`ltmp.step.StepResult`), so that a forward nobody inspects launches no operators for it.
-    """
-
-    def __init__(
-        self,
-        method: str,
-        padded: list[int],
-        num_patches: int,
-        num_prefix: int,
-        steps: list,
-        dtype: torch.dtype,
-        device: torch.device,
-        batch: int,
-        sources: list[Tensor] | None = None,
-        keeps: list[Tensor] | None = None,
-    ):
-        self.method = method  # the patched method
-        self.padded = padded  # (L + 1) longest image's tokens entering each block and leaving the last
-        self.num_patches = num_patches  # n of eq. 13
-        self.num_prefix = num_prefix  # prefix tokens, always kept
-        self.sources = sources  # per block (B, N_l, n) patch membership of each token, if traced
-        self.keeps = keeps  # per block (B, N_l) survivors, if traced
-        self._steps, self._dtype, self._device, self._batch = steps, dtype, device, batch
-        self._counts = None  # (merged, pruned, kept, keep_frac) once built
-
-    def counts(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(merged, pruned, kept, keep_frac), built once."""
-        if self._counts is None:
-
-            def column(v) -> Tensor:  # (B,) from an int, a host list, a (B,) tensor or a (B, K) mask
-                if isinstance(v, int):
-                    return torch.full((self._batch,), v, device=self._device)
-                if isinstance(v, list):
-                    return torch.tensor(v, device=self._device)
-                return v.sum(1) if v.dim() == 2 else v
-
-            merged, pruned, kept = (
-                torch.stack([column(getattr(s, f)) for s in self._steps], 1) for f in ("merged", "pruned", "kept")
-            )  # (B, L) each
-            frac = torch.stack([column(s.kept_frac) for s in self._steps], 1).to(self._dtype) / self.num_patches
-            keep_frac = torch.cat([torch.ones_like(frac[:, :1]), frac], 1)  # (B, L + 1)
-            self._counts, self._steps = (merged, pruned, kept, keep_frac), None
-        return self._counts
-
-    @property
-    def merged(self) -> Tensor:
-        """(B, L) tokens merged away in each block."""
-        return self.counts()[0]
-
-    @property
-    def pruned(self) -> Tensor:
-        """(B, L) tokens pruned in each block."""
-        return self.counts()[1]
-
-    @property
-    def kept(self) -> Tensor:
-        """(B, L) patch tokens left after each block."""
-        return self.counts()[2]
-
-    @property
-    def keep_frac(self) -> Tensor:
-        """(B, L + 1) fraction of patch tokens kept, m-bar of eq. 13 (column 0 is 1); differentiable in train mode."""
-        return self.counts()[3]
 
 
 def stats(model: nn.Module) -> Record:

@@ -1,7 +1,7 @@
 """One block's reduction step (paper section 3, Figure 2): decide, then apply.
 
 Between a block's attention and its MLP, :func:`reduce_step` runs the method's operations in order. Each operation
-first *decides*, the same way for every mode: :func:`decide_merge` (ToMe's bipartite matching of the survivors in
+first *decides*, the same way in every mode: :func:`decide_merge` (ToMe's bipartite matching of the survivors in
 order, then eq. 1's threshold or a fixed rate's k best) and :func:`decide_prune` (eq. 1 on the importance scores of
 eq. 16/17, or the k least important). Learned thresholds and fixed rates differ only in how they select. Then the
 step *applies* the decisions:
@@ -10,7 +10,7 @@ step *applies* the decisions:
   size-weighted averages whose weights carry the merge mask, and the keep mask carries the gradient to the
   thresholds (:func:`_apply_masks`);
 - in eval mode by removing the tokens: merging and compaction are one size-weighted sum of the token rows into
-  their new rows (:func:`_apply_rows`). Rows are packed image by image (:class:`Layout`), so one image is the batch
+  their new rows (:func:`_apply_rows`). Rows are packed image by image (:class:`Layout`), so one image is a batch
   of one, and fixed rates need no host read (their counts follow from the shapes).
 
 Train and eval make the same decisions on the same scores; the tests hold them to the same tokens and outputs.
@@ -19,8 +19,6 @@ Train and eval make the same decisions on the same scores; the tests hold them t
 from __future__ import annotations
 
 import dataclasses
-import math
-import threading
 from typing import NamedTuple
 
 import torch
@@ -35,81 +33,31 @@ class Plan:
     """How one forward runs, read once from the mode (``ltmp.engine.plan``); nothing below asks torch again."""
 
     train: bool  # straight-through masks, every token stays (eq. 3); else tokens are removed
-    grad: bool  # autograd records the forward
-    symbolic: bool  # torch.export: token counts are symbolic, so no Python branch may read them
-    compiling: bool  # torch.compile traces the forward
     static: bool  # fixed rates in eval: every count follows from the shapes (no host read)
-    amp: bool  # autocast is on
-    attention: str  # "explicit" (probabilities), "sdpa" (fused, no importance) or "lse" (fused + log-sum-exp)
-    group_macs: float | None  # attention of padded batches in groups, each costing this much more; None: never
-    max_buckets: int
-    cache: bool  # small constants may be kept between forwards (not while tracing, under a tensor mode, ...)
-    views: bool  # strided views instead of slices and permutes: fewer operator calls (not with gradients, as
-    #              as_strided's backward is slow, nor while tracing)
-
-
-_CONSTANTS: dict[tuple, Tensor] = {}
-MAX_CONSTANTS = 512  # a server that sees many shapes keeps at most this many (then starts afresh)
-_LOCK = threading.Lock()
-
-
-def constant(plan: Plan, key: tuple, make) -> Tensor:
-    """A small tensor ``make()`` that is never written to, kept between forwards where the plan allows. Made
-    outside inference mode, so that a train step may save it for its backward."""
-    t = _CONSTANTS.get(key) if plan.cache else None
-    if t is None:
-        with torch.inference_mode(False):
-            t = make()
-        if plan.cache:
-            with _LOCK:
-                if len(_CONSTANTS) >= MAX_CONSTANTS:
-                    _CONSTANTS.clear()
-                _CONSTANTS[key] = t
-    return t
-
-
-def positions(plan: Plan, n: int, device: torch.device) -> Tensor:
-    """``torch.arange(n)`` (n,) (an arange is 4 operator calls)."""
-    return constant(plan, ("arange", n, device), lambda: torch.arange(n, device=device))
+    symbolic: bool  # torch.export: token counts are symbolic, so no Python branch may read them
+    compiling: bool  # torch.compile: a batch keeps its padding even where every image keeps the same count
 
 
 class Layout:
-    """Where each image's tokens are among the rows (T, ...) of the eval token tensors: image by image, in order,
-    every row a real token. ``counts`` are each image's tokens on the host; None when every image has ``length``
-    (the rows are then the (B, N) batch flattened, with no padding anywhere)."""
+    """Eval mode: where each image's tokens are among the rows (T, ...) of the token tensors, image by image, in
+    order. ``real`` (B, N) marks a real token at each position of the padded batch and ``counts`` are each image's
+    tokens on the host; both None when every image has ``length`` tokens (the rows are then the batch flattened)."""
 
-    def __init__(self, batch: int, length: int, counts: list[int] | None = None, real: Tensor | None = None):
-        self.batch, self.length, self.counts = batch, length, counts
-        self.real = real  # (B, N) bool, a real token at each position (None: dense)
-        self._index = self._at = None
-
-    @property
-    def rows(self) -> int:
-        return self.batch * self.length if self.counts is None else sum(self.counts)
-
-    def index(self) -> Tensor | None:
-        """The flat position (b * N + j) of each row (T,); None when dense."""
-        if self._index is None and self.counts is not None:
-            self._index = torch.nonzero_static(self.real.view(-1), size=self.rows).view(-1)  # (T,) no host read
-        return self._index
+    def __init__(self, batch: int, length: int, real: Tensor | None = None, counts: list[int] | None = None):
+        self.batch, self.length, self.real, self.counts = batch, length, real, counts
+        # (T,) the flat position (b * N + j) of each row; None without padding
+        self.index = None if real is None else torch.nonzero_static(real.view(-1), size=sum(counts)).view(-1)
 
     def pad(self, rows: Tensor) -> Tensor:
-        """Rows (T, ...) as a padded batch (B, N, ...), 0 at padding."""
-        B, N = self.batch, self.length
-        if self.counts is None:
-            return rows.view(B, N, *rows.shape[1:])
-        out = rows.new_zeros(B * N, *rows.shape[1:])
-        return out.index_copy_(0, self.index(), rows).view(B, N, *rows.shape[1:])  # (B, N, ...)
-
-    def at(self) -> Tensor:
-        """(B, N) the row of each position; a padding position gets its image's last row (callers mask it)."""
-        if self._at is None:
-            self._at = (self.real.view(-1).cumsum(0) - 1).view(self.batch, self.length)
-        return self._at
+        """Rows (T, ...) as the padded batch (B, N, ...), 0 at padding."""
+        shape = (self.batch, self.length, *rows.shape[1:])
+        if self.index is None:
+            return rows.view(shape)
+        return rows.new_zeros(self.batch * self.length, *rows.shape[1:]).index_copy_(0, self.index, rows).view(shape)
 
     def take(self, flat: Tensor) -> Tensor:
         """The rows (T, ...) of a padded batch's positions, flattened (B * N, ...)."""
-        return flat if self.counts is None else flat.index_select(0, self.index())
+        return flat if self.index is None else flat.index_select(0, self.index)
 
 
 @dataclasses.dataclass
@@ -146,174 +94,93 @@ class StepResult:
 
 
 class Merge(NamedTuple):
-    """A merge decision: the set-A tokens at ``src`` (B, K) that ``mask`` selects join the tokens at ``dst``. Fixed
-    rates in eval decide only ``stays`` (their counts follow from the shapes)."""
+    """A merge decision: the set-A tokens at ``src`` (B, K) that ``mask`` selects join the tokens at ``dst``."""
 
     src: Tensor  # (B, K) positions of the set-A tokens
     dst: Tensor  # (B, K) positions of their most similar set-B tokens
     mask: Tensor | None  # (B, K) merged: bool, or in train mode straight-through 0/1 values (eq. 1-2)
-    hard: Tensor | None  # (B, K) bool, merged
-    stays: Tensor  # (B, K) bool, not merged
-    cand: Tensor | None  # (B, K) bool, set-A tokens that may merge (train mode, analysis, calibration)
+    hard: Tensor  # (B, K) bool, merged
+    cand: Tensor  # (B, K) bool, set-A tokens that may merge
 
 
-def decide_merge(
-    cfg: ReduceConfig,
-    plan: Plan,
-    layer: int,
-    metric: Tensor,
-    alive: Tensor | None,
-    in_order: bool,
-    threshold: Tensor | None,
-    rate: int,
-    importance: Tensor | None,
-) -> Merge:
+def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, alive: Tensor, in_order: bool,
+                 threshold: Tensor | None, rate: int, importance: Tensor | None) -> Merge:  # fmt: skip
     """ToMe's matching over the survivors in order (A/B alternate over them, prefix tokens never merge or receive),
     then eq. 1: an A token merges into its most similar B token where the similarity passes the threshold, or for
     fixed rates where it is among the ``rate`` best matched (ties to the earlier position; eval: every image's).
 
     Args:
-        metric: (B, N, D) keys summed over heads. alive: (B, N) bool, the survivors (None: every token).
+        metric: (B, N, D) keys summed over heads. alive: (B, N) bool, the survivors.
         in_order: the survivors are the first positions of each row (eval), so no reordering is needed.
     """
     (B, N, _), first = metric.shape, cfg.set_starts  # sets A and B start past the prefix
-    order = mergeable = blocked = None  # every token alive: no pair is blocked
-    if alive is not None:
-        mergeable = alive  # (B, N) the survivors (the prefix tokens, first, are outside sets A and B)
-        if not in_order:  # the survivors first, in order
-            order = _survivors_first(plan, alive)  # (B, N)
-            metric, mergeable = metric.gather(1, order[..., None].expand(metric.shape)), mergeable.gather(1, order)
-        blocked = ops.blocked_pairs(mergeable, first)  # (B, Na, Nb)
-    score, j = ops.match(metric, blocked, pad=plan.symbolic, views=plan.views, first=first)  # (B, Na) each
-    src = constant(
-        plan,
-        ("set A", B, N, first[0], metric.device),
-        lambda: torch.arange(N, device=metric.device)[first[0] :: 2].expand(B, -1),
-    )  # (B, Na) set A's positions
-    dst = torch.add(scalar(plan, first[1], j.device), j, alpha=2)  # (B, Na) their B tokens' positions
-    if plan.symbolic or N <= first[1]:
-        dst = dst.clamp(max=N - 1)  # match's padding column (never selected) points in range
+    order, mergeable = None, alive
+    if not in_order:  # the survivors first, in order (any sort of these distinct keys gives this order)
+        pos = torch.arange(N, device=alive.device)
+        order = torch.where(alive, pos, pos + N).topk(N, dim=1, largest=False).indices  # (B, N)
+        metric, mergeable = metric.gather(1, order[..., None].expand(metric.shape)), alive.gather(1, order)
+    score, j = ops.match(metric, ops.blocked_pairs(mergeable, first), first, pad=plan.symbolic)  # (B, Na) each
+    src = torch.arange(N, device=metric.device)[first[0] :: 2].expand(B, -1)  # (B, Na) set A's positions
+    dst = (first[1] + 2 * j).clamp(max=N - 1)  # (B, Na) their B tokens' (match's padding column: never selected)
     if order is not None:
         src, dst = order.gather(1, src), order.gather(1, dst)
-    cand = None  # (B, Na) set-A tokens that may merge, where needed
-    if plan.train or cfg.capture is not None or cfg.fit is not None or not (cfg.learned or plan.static):
-        mergeable = _all(plan, B, N, metric.device) if mergeable is None else mergeable
-        cand = mergeable[:, first[0] :: 2]
+    cand = mergeable[:, first[0] :: 2]  # (B, Na) set-A tokens that may merge
     if cfg.capture is not None:
-        cfg.capture.append(
-            Captured(
-                layer,
-                "merge",
-                score.detach().cpu(),
-                cand.cpu(),
-                None if importance is None else importance.gather(1, src).detach().cpu(),
-            )
-        )
+        imp = None if importance is None else importance.gather(1, src).detach().cpu()
+        cfg.capture.append(Captured(layer, "merge", score.detach().cpu(), cand.cpu(), imp))
     if cfg.learned:
         if cfg.fit is not None:
-            _fit(threshold, score[cand], cfg.fit[0], largest=True)
+            ops.fit_threshold(threshold, score[cand], cfg.fit[0], largest=True)
         mask = ops.threshold_mask(score, threshold, cfg.tau, soft=plan.train)  # (B, Na) eq. 1-2 (0 outside cand)
     else:  # the k best matched, k = min(rate, |A|, |B|) per image
-        rank = ops.rank(score, largest=True, earlier=_earlier(plan, score))  # (B, Na)
-        if plan.static:
-            return Merge(src, dst, None, None, rank >= scalar(plan, rate, rank.device, rank.dtype), cand)
+        rank = ops.rank(score, largest=True)  # (B, Na)
+        if plan.static:  # eval: ``rate`` is what every image merges (static_counts)
+            return Merge(src, dst, None, rank < rate, cand)
         k = torch.minimum(cand.sum(1), mergeable[:, first[1] :: 2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
         mask = (rank < k).to(torch.float32)  # (B, Na) train mode
-    hard = mask if mask.dtype == torch.bool else mask.detach() > 0.5
-    return Merge(src, dst, mask, hard, ~hard, cand)
+    return Merge(src, dst, mask, mask if mask.dtype == torch.bool else mask.detach() > 0.5, cand)
 
 
-def decide_prune(
-    cfg: ReduceConfig,
-    plan: Plan,
-    layer: int,
-    importance: Tensor,
-    alive: Tensor | None,
-    threshold: Tensor | None,
-    rate: int,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Which surviving patch tokens ``alive`` (B, N) (None: every token) are pruned: those whose importance does not
-    pass the threshold (eq. 1), or for fixed rates the ``rate`` least important (ties to the earlier position; in
-    eval ``rate`` is the count every image prunes, :func:`static_counts`). With ``keep_one`` an image's most
-    important candidate is spared when every candidate would go.
+def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, alive: Tensor,
+                 threshold: Tensor | None, rate: int) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """Which surviving patch tokens ``alive`` (B, N) are pruned: those whose importance does not pass the threshold
+    (eq. 1), or for fixed rates the ``rate`` least important (ties to the earlier position; in eval ``rate`` is the
+    count every image prunes, :func:`static_counts`). With ``keep_one`` an image's most important candidate is
+    spared when every candidate would go.
 
     Returns:
         The pruned tokens (B, N) bool (among the survivors), the candidates (B, N) bool, and in train mode the
         candidates' keep mask (B, N) with straight-through values (eq. 2; else None).
     """
-    B, N = importance.shape
-    cand = _patches(plan, N, cfg.num_prefix, importance.device, B)  # (B, N)
-    cand = cand if alive is None else alive.bitwise_and(cand)
+    N = importance.shape[1]
+    cand = alive & (torch.arange(N, device=alive.device) >= cfg.num_prefix)  # (B, N) surviving patch tokens
     if cfg.capture is not None:
         cfg.capture.append(Captured(layer, "prune", importance.detach().cpu(), cand.cpu(), None))
     if not cfg.learned:  # the k least important candidates; with keep_one, k leaves one
-        last = torch.where(cand, importance, scalar(plan, math.inf, importance.device, importance.dtype))  # (B, N)
-        rank = ops.rank(last, largest=False, earlier=_earlier(plan, importance))  # (B, N)
+        rank = ops.rank(torch.where(cand, importance, float("inf")), largest=False)  # (B, N)
         if plan.static:  # k is at most the candidates: the others rank after them
-            return rank < scalar(plan, rate, rank.device, rank.dtype), cand, None
+            return rank < rate, cand, None
         drop = rank < (cand.sum(1, keepdim=True) - int(cfg.keep_one)).clamp(0, rate)  # (B, N)
         return drop, cand, (~drop).to(importance.dtype)
     if cfg.fit is not None:
-        _fit(threshold, importance[cand], cfg.fit[1], largest=False)
+        ops.fit_threshold(threshold, importance[cand], cfg.fit[1], largest=False)
     kept = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) eq. 1-2
-    drop = cand.bitwise_and(~(kept if kept.dtype == torch.bool else kept.detach() > 0.5))
     soft = None if kept.dtype == torch.bool else kept
+    drop = cand & ~(kept if soft is None else kept.detach() > 0.5)  # (B, N)
     if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
         top = importance.detach().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
-        spare = torch.zeros_like(cand).scatter_(1, top, True) & (drop.sum(1, keepdim=True) == cand.sum(1, keepdim=True))
-        if soft is not None:
-            soft = soft + (spare & drop).to(soft.dtype)
+        everything = drop.sum(1, keepdim=True) == cand.sum(1, keepdim=True)  # (B, 1)
+        spare = torch.zeros_like(cand).scatter_(1, top, True) & everything & drop  # (B, N)
+        soft = None if soft is None else soft + spare.to(soft.dtype)
         drop = drop & ~spare
     return drop, cand, soft
 
 
-def _fit(*args, **kwargs) -> None:
-    from .calibrate import fit_threshold  # calibration (cfg.fit): ltmp.calibrate sets thresholds from one batch
-
-    fit_threshold(*args, **kwargs)
-
-
-def _survivors_first(plan: Plan, alive: Tensor) -> Tensor:
-    """The positions (B, N) of the survivors ``alive`` (B, N) in order, then the others (train mode and ltpm,
-    whose survivors are not the first positions). Distinct keys: any sort gives this order."""
-    N = alive.shape[1]
-    pos = positions(plan, N, alive.device)  # (N,)
-    return torch.where(alive, pos, pos + N).topk(N, dim=1, largest=False).indices  # (B, N)
-
-
-def _patches(plan: Plan, n: int, num_prefix: int, device: torch.device, batch: int | None = None) -> Tensor:
-    """(n,) bool, True past the prefix tokens; (batch, n) with ``batch``."""
-    if batch is not None:
-        return constant(
-            plan,
-            ("patches", batch, n, num_prefix, device),
-            lambda: _patches(plan, n, num_prefix, device).expand(batch, n),
-        )
-    return constant(plan, ("patches", n, num_prefix, device), lambda: torch.arange(n, device=device) >= num_prefix)
-
-
-def scalar(plan: Plan, value: float, device: torch.device, dtype: torch.dtype | None = None) -> Tensor:
-    """A 0-d tensor: an operation with it is one operator call, with a Python number five."""
-    return constant(plan, ("scalar", value, device, dtype), lambda: torch.tensor(value, device=device, dtype=dtype))
-
-
-def _all(plan: Plan, B: int, N: int, device: torch.device) -> Tensor:
-    """(B, N) bool, every position."""
-    return constant(plan, ("all", B, N, device), lambda: torch.ones(B, N, dtype=torch.bool, device=device))
-
-
-def _earlier(plan: Plan, scores: Tensor) -> Tensor:
-    """(M, M) 1 where position j comes before position i ([i, j]), else 0, in the scores' dtype (:func:`ops.rank`)."""
-    n, device, dt = scores.shape[1], scores.device, scores.dtype
-    return constant(plan, ("earlier", n, device, dt), lambda: torch.ones(n, n, dtype=dt, device=device).tril(-1))
-
-
 def static_counts(cfg: ReduceConfig, n: int, rate: int) -> tuple[int, int]:
     """The tokens a fixed rate merges and prunes in every image, from the ``n`` entering (eval: static shapes)."""
-    merged, pruned = "merge" in cfg.ops, "prune" in cfg.ops
-    n_merged = tome_k(rate, n, cfg.set_starts) if merged else 0
+    n_merged = tome_k(rate, n, cfg.set_starts) if "merge" in cfg.ops else 0
     n_cand = n - n_merged - cfg.num_prefix
-    n_pruned = min(rate, n_cand) - int(cfg.keep_one and 0 < n_cand <= rate) if pruned else 0
+    n_pruned = min(rate, n_cand) - int(cfg.keep_one and 0 < n_cand <= rate) if "prune" in cfg.ops else 0
     return n_merged, n_pruned
 
 
@@ -323,18 +190,9 @@ def tome_k(rate: int, n: int, starts: tuple[int, int]) -> int:
     return min(rate, len(range(starts[0], n, 2)), len(range(starts[1], n, 2)))
 
 
-def reduce_step(
-    x: Tensor,
-    state: TokenState,
-    cfg: ReduceConfig,
-    plan: Plan,
-    layer: int,
-    importance: Tensor | None,
-    metric: Tensor | None,
-    merge_threshold: Tensor | None,
-    prune_threshold: Tensor | None,
-    rate: int,
-) -> tuple[Tensor, TokenState, StepResult]:
+def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor | None,
+                metric: Tensor | None, merge_threshold: Tensor | None, prune_threshold: Tensor | None, rate: int
+                ) -> tuple[Tensor, TokenState, StepResult]:  # fmt: skip
     """Merge and/or prune one block's tokens, between its attention and its MLP: decide, then apply.
 
     Args:
@@ -345,60 +203,34 @@ def reduce_step(
     """
     L = state.layout
     B, N = L.batch, L.length
-    # the survivors (B, N): train mode's kept tokens, eval's real rows (None: every position)
-    alive = (None if state.keep is None else state.keep > 0.5) if plan.train else L.real
+    if plan.train:  # the survivors (B, N): train mode's kept tokens, eval's real rows
+        alive = torch.ones(B, N, dtype=torch.bool, device=x.device) if state.keep is None else state.keep > 0.5
+    else:
+        alive = torch.ones(B, N, dtype=torch.bool, device=x.device) if L.real is None else L.real
     in_order = not plan.train or cfg.train_order == "reference"  # (reference order: A/B over all positions)
     static = static_counts(cfg, N, rate) if plan.static else None  # fixed rates in eval: the exact counts
     decisions = []
     for op in cfg.ops:
         if op == "merge":
-            m = decide_merge(
-                cfg,
-                plan,
-                layer,
-                metric,
-                alive,
-                in_order,
-                merge_threshold,
-                rate if static is None else static[0],
-                importance,
-            )
-            alive = (
-                _all(plan, B, N, x.device).scatter(1, m.src, m.stays)
-                if alive is None
-                else alive.scatter(1, m.src, alive.gather(1, m.src).bitwise_and(m.stays))
-            )  # (B, N)
+            m = decide_merge(cfg, plan, layer, metric, alive, in_order, merge_threshold,
+                             rate if static is None else static[0], importance)  # fmt: skip
+            alive = alive.scatter(1, m.src, alive.gather(1, m.src) & ~m.hard)  # (B, N)
             if importance is not None and cfg.ops[-1] == "prune":  # a merged group's importance, for pruning
-                importance = ops.group_max(importance, m.src, m.dst, m.stays)  # (B, N)
+                importance = ops.group_max(importance, m.src, m.dst, ~m.hard)  # (B, N)
             decisions.append(m)
         else:
-            drop, cand, soft = decide_prune(
-                cfg, plan, layer, importance, alive, prune_threshold, rate if static is None else static[1]
-            )
-            alive = (_all(plan, B, N, x.device) if alive is None else alive).bitwise_xor(drop)  # (B, N)
-            in_order = plan.train and cfg.train_order == "reference"  # (ltpm) else a merge after pruning splits
-            #                                                              A/B over the survivors, not the positions
+            drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold,
+                                            rate if static is None else static[1])  # fmt: skip
+            alive = alive & ~drop  # (B, N)
+            # (ltpm) a merge after pruning splits A/B over the survivors, not the positions
+            in_order = plan.train and cfg.train_order == "reference"
             decisions.append((drop, cand, soft))
-    if plan.train:
-        x, state, result = _apply_masks(x, state, cfg, decisions)
-        if cfg.train_order == "reference" and "merge" in cfg.ops:
-            x, state = _reorder(x, state, cfg)
-        return x, state, result
-    return _apply_rows(x, state, cfg, plan, decisions, alive, static)
-
-
-def _reorder(x: Tensor, state: TokenState, cfg: ReduceConfig) -> tuple[Tensor, TokenState]:
-    """Train mode with ``train_order="reference"``: the tokens (B, N, C) and their state in the order the reference
-    code leaves them after a block that merges (its ``cat([src, dst])``): the prefix tokens, then set A's
-    positions, then set B's."""
-    pos = torch.arange(x.shape[1], device=x.device)  # (N,)
-    a, b = cfg.set_starts
-    order = torch.cat([pos[: cfg.num_prefix], pos[a::2], pos[b::2]])  # (N,)
-
-    def put(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t[:, order]
-
-    return put(x), dataclasses.replace(state, size=put(state.size), keep=put(state.keep), source=put(state.source))
+    if not plan.train:
+        return _apply_rows(x, state, cfg, plan, decisions, alive, static)
+    x, state, result = _apply_masks(x, state, cfg, decisions)
+    if cfg.train_order == "reference" and "merge" in cfg.ops:
+        x, state = _reorder(x, state, cfg)
+    return x, state, result
 
 
 def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: list) -> tuple:
@@ -407,37 +239,28 @@ def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: lis
     A merge adds each A token's size-weighted value into its B token with the merge mask as its weight (the
     merged averages pass the gradient to the merge threshold, ``merge_grad="average"``); tokens that receive
     nothing are returned bit-identical. The keep mask follows eq. 3's case rule: a surviving candidate takes this
-    block's masks (``1 - M_merge``, ``M_prune``, their product for a candidate of both); every other token keeps
-    the mask it entered with (a removed one its old value, with the gradient path to the threshold that removed
-    it)."""
+    block's masks (``1 - M_merge``, ``M_prune``, their product for a candidate of both, or the later one's with
+    ``combine="overwrite"``); every other token keeps the mask it entered with (a removed one its old value, with
+    the gradient path to the threshold that removed it)."""
     B, N, C = x.shape
-    size, source, entering = state.size, state.source, state.keep
-    if entering is None:  # nothing removed yet
-        entering = torch.ones_like(size)
-    factor = touched = keep = None
-    merged = pruned = x.new_zeros(B, dtype=torch.long)
+    size, source = state.size, state.source
+    entering = torch.ones_like(size) if state.keep is None else state.keep  # (B, N)
+    factor = touched = None
+    merged = pruned = 0
     for d in decisions:
         if isinstance(d, Merge):
             w = d.mask if cfg.merge_grad == "average" else d.mask.detach()  # (B, K)
-            B_K = B * d.src.shape[1]
-
-            def moved(t: Tensor, src: Tensor = d.src) -> Tensor:  # (B, K, ...) the set-A rows of t (B, N, ...)
-                return t.gather(1, src[..., None].expand(-1, -1, t.shape[2]))
-
+            K = d.src.shape[1]
             # every token stays in its row; each A token also joins its target's row with weight w
-            rows = torch.cat(
-                [
-                    torch.arange(B * N, device=x.device),
-                    (d.dst + (torch.arange(B, device=x.device) * N)[:, None]).view(-1),
-                ]
-            )  # (B N + B K,)
-            xs = torch.cat([x.reshape(B * N, C), moved(x).reshape(B_K, C)])  # (B N + B K, C)
+            offsets = (torch.arange(B, device=x.device) * N)[:, None]  # (B, 1)
+            rows = torch.cat([torch.arange(B * N, device=x.device), (d.dst + offsets).view(-1)])  # (B N + B K,)
+            moved = d.src[..., None]  # (B, K, 1)
+            xs = torch.cat([x.reshape(B * N, C), x.gather(1, moved.expand(-1, -1, C)).reshape(B * K, C)])
             s = torch.cat([size.view(-1), (size.gather(1, d.src) * w).view(-1)])  # (B N + B K,)
-            extra = (
-                None
-                if source is None
-                else torch.cat([source.reshape(B * N, -1), (moved(source) * d.hard[..., None]).reshape(B_K, -1)])
-            )
+            extra = None
+            if source is not None:
+                extra = source.gather(1, moved.expand(-1, -1, source.shape[2])) * d.hard[..., None]  # (B, K, N0)
+                extra = torch.cat([source.reshape(B * N, -1), extra.reshape(B * K, -1)])
             out, den, extra = ops.merge_rows(xs, s, rows, B * N, extra)
             received = torch.zeros_like(size).scatter_add(1, d.dst, d.hard.to(size.dtype)) > 0  # (B, N)
             x = torch.where(received[..., None], out.view(B, N, C), x)  # (B, N, C)
@@ -455,27 +278,30 @@ def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: lis
         else:  # a token both modules decide on: the product of their masks, or the later one's alone
             factor = torch.where(cand, m, factor) if cfg.combine == "overwrite" else factor * m
         touched = cand if touched is None else touched | cand
-        keep = torch.where(touched, factor, entering)  # (B, N) eq. 3
+    keep = torch.where(touched, factor, entering)  # (B, N) eq. 3
     patch_keep = keep[:, cfg.num_prefix :]  # (B, N - P)
     result = StepResult(merged=merged, pruned=pruned, kept=(patch_keep > 0.5).sum(1), kept_frac=patch_keep.sum(1))
-    return (
-        x,
-        dataclasses.replace(
-            state, size=size, keep=keep, source=source, merged_once=state.merged_once or "merge" in cfg.ops
-        ),
-        result,
-    )
+    state = dataclasses.replace(state, size=size, keep=keep, source=source,
+                                merged_once=state.merged_once or "merge" in cfg.ops)  # fmt: skip
+    return x, state, result
 
 
-def _apply_rows(
-    x: Tensor,
-    state: TokenState,
-    cfg: ReduceConfig,
-    plan: Plan,
-    decisions: list,
-    alive: Tensor,
-    static: tuple[int, int] | None,
-) -> tuple:
+def _reorder(x: Tensor, state: TokenState, cfg: ReduceConfig) -> tuple[Tensor, TokenState]:
+    """Train mode with ``train_order="reference"``: the tokens (B, N, C) and their state in the order the reference
+    code leaves them after a block that merges (its ``cat([src, dst])``): the prefix tokens, then set A's
+    positions, then set B's."""
+    pos = torch.arange(x.shape[1], device=x.device)  # (N,)
+    a, b = cfg.set_starts
+    order = torch.cat([pos[: cfg.num_prefix], pos[a::2], pos[b::2]])  # (N,)
+
+    def put(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[:, order]
+
+    return put(x), dataclasses.replace(state, size=put(state.size), keep=put(state.keep), source=put(state.source))
+
+
+def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, decisions: list, alive: Tensor,
+                static: tuple[int, int] | None) -> tuple:  # fmt: skip
     """Eval mode: the survivors ``alive`` (B, N) keep their order and become the new rows, image by image; a merged
     token joins its target's row, and each new row is the size-weighted average of the rows it receives (a target
     pruned in the same block takes its group along). One sum of rows into rows does the merging and the
@@ -487,34 +313,27 @@ def _apply_rows(
     drop = next((d[0] for d in decisions if not isinstance(d, Merge)), None)
     if static is not None:  # fixed rates: every image removes the same number of tokens
         n_new = N - sum(static)
-        counts, T_new, result = None, B * n_new, StepResult(*static, kept=n_new - P, kept_frac=n_new - P)
+        counts, result = None, StepResult(*static, kept=n_new - P, kept_frac=n_new - P)
     else:
         count_t = alive.sum(1)  # (B,)
         counts = count_t.tolist()  # the host read
         for c in counts if plan.symbolic else ():  # an export's symbolic counts: bounds for its slices
-            torch._check(c >= 0), torch._check(c <= N)
+            torch._check(c >= 0)
+            torch._check(c <= N)
         kept = [c - P for c in counts]
-        result = StepResult(
-            merged=0 if merge is None else merge.hard, pruned=0 if drop is None else drop, kept=kept, kept_frac=kept
-        )
-        n_new, T_new = max(counts), sum(counts)
+        merged, pruned = (0 if merge is None else merge.hard), (0 if drop is None else drop)
+        result = StepResult(merged=merged, pruned=pruned, kept=kept, kept_frac=kept)
+        n_new = max(counts)
     flat = alive.view(-1)  # (B * N,)
-    slot = torch.where(flat, flat.cumsum(0), scalar(plan, 0, x.device))  # (B * N,) survivors' new rows from 1,
-    #                                                                        0 (cut) the others
+    slot = torch.where(flat, flat.cumsum(0), 0)  # (B * N,) survivors' new rows from 1, 0 (cut) the others
     if merge is not None:  # a merged token joins its target's row (row 0 if the target was pruned)
-        at = slot.view(B, N)  # (B, N)
-        at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill_(merge.stays, 0))
-    average = state.merged_once or merge is not None  # else every size is 1 and each new row receives one row
-    x, size, source = ops.merge_rows(
-        x, state.size, L.take(slot), T_new + 1, state.source, average, weighted=state.merged_once
-    )
-    # (under torch.compile a padded layout always: a check of equal counts would guard on the counts)
+        at = slot.view(B, N)
+        at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill(~merge.hard, 0))
+    T_new = B * n_new if counts is None else sum(counts)
+    x, size, source = ops.merge_rows(x, state.size, L.take(slot), T_new + 1, state.source)
     if counts is None or B == 1 or (not plan.compiling and all(c == n_new for c in counts)):
         layout = Layout(B, n_new)
-    else:
-        layout = Layout(B, n_new, counts, positions(plan, n_new, x.device) < count_t[:, None])  # real (B, n_new)
-
-    def rest(t: Tensor) -> Tensor:  # t[1:]: where the plan allows a strided view, one operator call (a slice: two)
-        return t.as_strided((len(t) - 1, *t.shape[1:]), t.stride(), t.stride(0)) if plan.views else t[1:]  # t is new
-
-    return rest(x), TokenState(rest(size), layout, None, None if source is None else rest(source), average), result
+    else:  # (under torch.compile a padded layout always: a check of equal counts would guard on the counts)
+        layout = Layout(B, n_new, torch.arange(n_new, device=x.device) < count_t[:, None], counts)
+    merged_once = state.merged_once or merge is not None
+    return x[1:], TokenState(size[1:], layout, None, None if source is None else source[1:], merged_once), result

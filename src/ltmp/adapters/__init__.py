@@ -9,49 +9,19 @@ apply the family's head. One small file per family: :mod:`.timm`, :mod:`.hf` (Hu
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ..config import BlockView, identity
 from ..errors import UnsupportedModelError
 
-if TYPE_CHECKING:
-    from ..step import TokenState
-
-
-def identity(t: Tensor) -> Tensor:
-    return t
-
-
-@dataclasses.dataclass
-class BlockView:
-    """What the reduction needs from one transformer block; built by an adapter for each forward.
-
-    Shapes: ``C`` model width, ``H`` heads of width ``D``; ``...`` any leading token dimensions.
-    """
-
-    norm1: Callable[[Tensor], Tensor]  # (..., C) -> (..., C): the norm before attention
-    qkv: Callable[[Tensor], Tensor]  # (..., C) -> (..., 3 * H * D): queries | keys | values
-    heads: int  # H
-    head_dim: int  # D
-    scale: float  # multiplier of q k^T
-    attn_drop: float  # dropout probability on the attention probabilities (train mode)
-    out: Callable[[Tensor], Tensor]  # (..., H * D) -> (..., C): the attention branch after the heads (output
-    #                                  projection, its dropout, layer scale, drop path), before the residual add
-    mlp: Callable[[Tensor], Tensor]  # (..., C) -> (..., C): the whole second branch (norm2, MLP, layer scale,
-    #                                  drop path), before the residual add
-    training: bool  # the block's mode (dropout)
-    q_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) per-head query norm
-    k_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) or (T, H, D) per-head key norm (last dim)
-    head_norm: Callable[[Tensor], Tensor] = identity  # (..., H * D) norm on the heads' output
-    gate: Callable[[Tensor], Tensor] | None = None  # (..., C) normed input -> (..., H * D) multiplier of the
-    #                                                 normed heads' output (timm's gated attention)
-    fused: bool = True  # the family allows scaled_dot_product_attention here
+__all__ = ["Adapter", "BlockView", "identity", "adapter_for", "supported", "mean_pool", "pool_bias", "linear_macs",
+           "conv_macs", "norm_macs"]  # fmt: skip
 
 
 def linear_macs(*mods: nn.Module | None) -> float:
@@ -90,9 +60,9 @@ def norm_macs(*mods: nn.Module | None, count: bool = True) -> float:
 class Adapter:
     """One model family. Subclasses answer where things are; the reduction code does the rest.
 
-    ``forward`` replaces the model's own forward when patched: it embeds the inputs, runs
-    :func:`ltmp.engine.encode` (the blocks with the reduction step) and applies the family's head, returning what
-    the unpatched model returns.
+    ``forward`` replaces the model's own forward when patched (``ltmp.engine.forward`` calls it with ``encode``,
+    the blocks with the reduction step): it embeds the inputs, encodes them and applies the family's head, returning
+    what the unpatched model returns. Adapters import no module that runs the reduction.
     """
 
     family: str = ""  # recorded in threshold files
@@ -149,11 +119,13 @@ class Adapter:
         head."""
         raise NotImplementedError
 
-    def forward(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, model: nn.Module, encode: Callable, *args: Any, **kwargs: Any) -> Any:
+        """The family's forward with ``encode(model, tokens)`` (``ltmp.engine.encode``: the blocks with the reduction
+        step, returning the tokens leaving them and their state) in place of its blocks."""
         raise NotImplementedError
 
-    def extra_methods(self) -> dict[str, Callable]:
-        """More methods of the patched class (timm's ``forward_features``)."""
+    def extra_methods(self, encode: Callable) -> dict[str, Callable]:
+        """More methods of the patched class (timm's ``forward_features``), given ``encode`` as :meth:`forward`."""
         return {}
 
 
@@ -190,12 +162,7 @@ def adapter_for(model: nn.Module, check: bool = False) -> Adapter:
     return found
 
 
-def log_size(state: TokenState) -> Tensor | None:
-    """log of the (B, N) token sizes for proportional attention (ToMe), or None while all sizes are 1."""
-    return state.size.log() if state.merged_once else None
-
-
-def mean_pool(x: Tensor, state: TokenState, skip: int) -> Tensor:
+def mean_pool(x: Tensor, state, skip: int) -> Tensor:
     """The mean of the surviving tokens from position ``skip`` on, each weighted by its size (the patches it
     stands for), so that a merged token counts as the patches it replaced: (B, N, C) -> (B, C). Equal to the plain
     mean over the patch tokens of an unreduced model."""
@@ -204,9 +171,9 @@ def mean_pool(x: Tensor, state: TokenState, skip: int) -> Tensor:
     return (x[:, skip:] * w[..., None].to(x.dtype)).sum(1) / w.sum(1, keepdim=True).to(x.dtype)  # (B, C)
 
 
-def pool_bias(state: TokenState, dtype: torch.dtype) -> Tensor | None:
+def pool_bias(state, dtype: torch.dtype) -> Tensor | None:
     """The additive key bias (B, N) of an attention-pool head over the surviving tokens: log size (a merged token
     weighs as the patches it replaced, as in proportional attention) and -inf at removed or padded tokens; None
     when no token was reduced."""
     keep = None if state.keep is None else (state.keep > 0.5).to(dtype)
-    return ops.key_bias(keep, log_size(state), dtype)
+    return ops.key_bias(keep, state.size.log() if state.merged_once else None, dtype)

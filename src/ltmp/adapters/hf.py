@@ -95,16 +95,14 @@ class HFAdapter(Adapter):
         proj = _first(attn, ("o_proj", "out_proj"))
         ls1, ls2 = _first(blk, ("layer_scale1",), identity), _first(blk, ("layer_scale2",), identity)
         drop = _first(blk, ("drop_path", "dropout"), identity)  # Dinov2: drop path; ViT/DeiT: hidden dropout
-
         return BlockView(
             norm1=norm1,
             qkv=lambda y: torch.cat([attn.q_proj(y), attn.k_proj(y), attn.v_proj(y)], -1),  # (..., 3 H D)
             heads=_first(attn, ("num_heads", "num_attention_heads")),
             head_dim=attn.head_dim,
             scale=_first(attn, ("scaling", "scale")),
-            attn_drop=float(_first(attn, ("attention_dropout", "dropout"))),
-            training=attn.training,
-            out=lambda t: drop(ls1(proj(t))),
+            attn_drop=float(_first(attn, ("attention_dropout", "dropout"))) if attn.training else 0.0,
+            out=lambda o, y: drop(ls1(proj(o))),
             mlp=lambda t: drop(ls2(blk.mlp(norm2(t)))),
         )
 
@@ -165,6 +163,7 @@ class HFAdapter(Adapter):
     def forward(
         self,
         model: nn.Module,
+        encode,
         pixel_values: Tensor | None = None,
         *,
         labels: Tensor | None = None,
@@ -177,18 +176,16 @@ class HFAdapter(Adapter):
         """The model's forward with the blocks reduced. Arguments after ``pixel_values`` are keyword-only (their
         positions differ between the transformers classes)."""
         out = self._forward(
-            model, pixel_values, labels, interpolate_pos_encoding, bool_masked_pos, attention_mask, **kwargs
+            model, encode, pixel_values, labels, interpolate_pos_encoding, bool_masked_pos, attention_mask, **kwargs
         )
         if return_dict is None:
             return_dict = getattr(model.config, "use_return_dict", getattr(model.config, "return_dict", True))
         return out if return_dict else out.to_tuple()
 
     def _forward(
-        self, model, pixel_values, labels, interpolate_pos_encoding, bool_masked_pos, attention_mask, **kwargs
+        self, model, encode, pixel_values, labels, interpolate_pos_encoding, bool_masked_pos, attention_mask, **kwargs
     ):
         from transformers.modeling_outputs import ImageClassifierOutput
-
-        from ..engine import encode
 
         for flag in ("output_attentions", "output_hidden_states"):
             if kwargs.pop(flag, None) or getattr(model.config, flag, False):

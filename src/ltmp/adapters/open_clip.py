@@ -117,9 +117,8 @@ class OpenClipAdapter(Adapter):
             heads=attn.num_heads,
             head_dim=attn.head_dim,
             scale=attn.head_dim**-0.5,
-            attn_drop=float(attn.dropout),
-            training=attn.training,
-            out=lambda t: blk.ls_1(attn.out_proj(t)),
+            attn_drop=float(attn.dropout) if attn.training else 0.0,
+            out=lambda o, y: blk.ls_1(attn.out_proj(o)),
             mlp=lambda t: blk.ls_2(blk.mlp(blk.ln_2(t))),
         )
 
@@ -157,9 +156,7 @@ class OpenClipAdapter(Adapter):
             proj += float(model.class_embeddings.numel())
         return (0.0, post + proj) if tower.final_ln_after_pool else (post, proj)
 
-    def forward(self, model: nn.Module, x: Tensor):
-        from ..engine import encode
-
+    def forward(self, model: nn.Module, encode, x: Tensor):
         tower = _tower(model)
         x, state = encode(model, tower._embeds(x))  # (B, N, C)
         if not tower.final_ln_after_pool:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, identity, linear_macs, mean_pool, norm_macs, pool_bias
+from . import Adapter, BlockView, conv_macs, linear_macs, mean_pool, norm_macs, pool_bias
 
 SUPPORTED = (
     "timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
@@ -73,30 +73,16 @@ class TimmAdapter(Adapter):
         return model.blocks
 
     def view(self, model: nn.Module, blk: nn.Module) -> BlockView:
-        attn, mlp = blk.attn, blk.mlp
-        gate = None if getattr(attn, "gate", None) is None else (lambda y: attn.gate(y).sigmoid())
-        # dropout in eval is the identity: not called (each call costs host time, and on a GPU it is all host time)
-        proj_drop = attn.proj_drop if attn.proj_drop.training else identity
-        if type(mlp).forward is _mlp_forward() and not (
-            mlp.drop1.training or mlp.drop2.training or _has_forward_hooks(mlp)
-        ):
-            mlp = lambda t: blk.mlp.fc2(blk.mlp.norm(blk.mlp.act(blk.mlp.fc1(t))))  # noqa: E731 timm's Mlp
-        return BlockView(
-            norm1=blk.norm1,
-            qkv=attn.qkv,
-            heads=attn.num_heads,
-            head_dim=attn.head_dim,
-            scale=attn.scale,
-            attn_drop=attn.attn_drop.p,
-            training=attn.training,
-            out=lambda t: blk.drop_path1(blk.ls1(proj_drop(attn.proj(t)))),
-            mlp=lambda t: blk.drop_path2(blk.ls2(mlp(blk.norm2(t)))),
-            q_norm=attn.q_norm,
-            k_norm=attn.k_norm,
-            head_norm=getattr(attn, "norm", None) or identity,
-            gate=gate,
-            fused=bool(attn.fused_attn),
-        )
+        a = blk.attn
+
+        def out(o: Tensor, y: Tensor) -> Tensor:  # timm's Attention after its heads, then layer scale, drop path
+            o = a.norm(o) if getattr(a, "gate", None) is None else a.norm(o) * a.gate(y).sigmoid()
+            return blk.drop_path1(blk.ls1(a.proj_drop(a.proj(o))))
+
+        return BlockView(norm1=blk.norm1, qkv=a.qkv, heads=a.num_heads, head_dim=a.head_dim, scale=a.scale,
+                         attn_drop=a.attn_drop.p if a.training else 0.0, out=out,
+                         mlp=lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))), q_norm=a.q_norm,
+                         k_norm=a.k_norm, fused=bool(a.fused_attn))  # fmt: skip
 
     def num_prefix(self, model: nn.Module) -> int:
         return int(model.num_prefix_tokens)
@@ -137,9 +123,9 @@ class TimmAdapter(Adapter):
             head += linear_macs(pool.q, pool.proj, pool.mlp) + norm_macs(pool.norm, pool.mlp, count=count_norm)
         return final, head
 
-    def forward(self, model: nn.Module, x: Tensor) -> Tensor:
-        x, state = _features(model, x)
-        return self.head(model, x, state)
+    def forward(self, model: nn.Module, encode, x: Tensor) -> Tensor:
+        x, state = encode(model, _embed(model, x))  # (B, N', C)
+        return self.head(model, model.norm(x), state)
 
     def head(self, model: nn.Module, x: Tensor, state) -> Tensor:
         """timm's ``forward_head`` over the surviving tokens (class and distillation tokens never move)."""
@@ -156,39 +142,16 @@ class TimmAdapter(Adapter):
         x = model.head_drop(model.fc_norm(x))
         return model.head(x)
 
-    def extra_methods(self) -> dict:
+    def extra_methods(self, encode) -> dict:
         def forward_features(model, x: Tensor) -> Tensor:
-            return _features(model, x)[0]
+            return model.norm(encode(model, _embed(model, x))[0])
 
         return {"forward_features": forward_features}
-
-
-def _mlp_forward():
-    """timm's plain ``Mlp.forward``: fc1, act, drop1, norm, fc2, drop2."""
-    from timm.layers import Mlp
-
-    return Mlp.forward
-
-
-def _has_forward_hooks(module: nn.Module) -> bool:
-    """Forward hooks on the module or on every module (calling its parts instead would skip them)."""
-    from torch.nn.modules import module as m
-
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
-    )
 
 
 def _embed(model: nn.Module, x: Tensor) -> Tensor:
     """(B, 3, H, W) images -> (B, N, C) tokens entering the first block, prefix tokens first."""
     return model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
-
-
-def _features(model: nn.Module, x: Tensor):
-    from ..engine import encode
-
-    x, state = encode(model, _embed(model, x))  # (B, N', C)
-    return model.norm(x), state
 
 
 @torch.no_grad()
