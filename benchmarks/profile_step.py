@@ -40,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import ltmp
 from common import at_gmacs, calibrated, load_images, load_model, mean_gmacs, reference_tome
+from ltmp import engine
 from ltmp.bench import allocator
 from ltmp.runtime import HostSyncs, compile_model
 
@@ -62,14 +63,8 @@ def main() -> None:
         metavar="N",
         help="also the N source lines whose torch calls take the most time (CPU)",
     )
-    p.add_argument(
-        "--lse",
-        choices=["on", "off"],
-        help="importance from a fused kernel's log-sum-exp "
-        "(Execution.importance_from_lse); default: the device's (ltmp.engine.TUNING: on for CUDA)",
-    )
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
-    p.add_argument("--max-buckets", type=int, help="Execution.max_buckets (1: attention never in groups)")
+    p.add_argument("--max-groups", type=int, help="ltmp.engine.TUNING's max_groups (1: attention never in groups)")
     p.add_argument(
         "--tome-ref", help="a checkout of facebookresearch/ToMe: also profile its timm patch (with --method tome)"
     )
@@ -88,10 +83,9 @@ def main() -> None:
     x = load_images(dense, "test", args.forwards * args.batch_size).to(device)
     if not learned:  # a fixed-rate method at LTMP's GMACs on these images
         red = at_gmacs(dense, args.method, mean_gmacs(red, x))
-    if args.lse is not None:
-        red.ltmp_config.execution.importance_from_lse = args.lse == "on"
-    if args.max_buckets is not None:
-        red.ltmp_config.execution.max_buckets = args.max_buckets
+    if args.max_groups is not None:
+        engine.TUNING[device.type] = dict(engine.TUNING.get(device.type, engine.TUNING["default"]),
+                                          max_groups=args.max_groups)  # fmt: skip
     batches = [x[i * args.batch_size : (i + 1) * args.batch_size] for i in range(args.forwards)]
     print(
         f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}"

@@ -295,3 +295,38 @@ def test_merge_rows_averages_by_size_and_sizes_add_up():
     assert new_src[0].tolist() == [1.0, 1.0, 0.0, 0.0]
     copied, ones, _ = ops.merge_rows(x, torch.ones(4, dtype=torch.float64), torch.tensor([2, 0, 1, 4]), 5)
     assert torch.equal(copied[:3], x[[1, 2, 0]]) and ones.tolist() == [1, 1, 1, 0, 1]  # size 1: copies, exactly
+
+
+def _group_cost(groups, pair, fixed):
+    return sum(len(rows) * pair * n**2 + fixed for rows, n in groups)
+
+
+def test_plan_groups_groups_similar_counts():
+    from ltmp.engine import plan_groups
+
+    assert plan_groups([10] * 8, 1.0, 1.0, 4) is None  # no padding: one group
+    assert plan_groups([100, 10, 100, 10], 1.0, 100.0, 4) == [([1, 3], 10), ([0, 2], 100)]
+    assert plan_groups([100, 10, 100, 10], 1.0, 100.0, 1) is None
+    assert plan_groups([100, 10, 100, 10], 1.0, 2e4, 4) is None  # a group costs more than it saves
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_groups_is_the_cheapest_split(seed):
+    import itertools
+    import random
+
+    from ltmp.engine import plan_groups
+
+    rng = random.Random(seed)
+    counts = [rng.randint(5, 200) for _ in range(12)]
+    pair, fixed = 2.0, rng.choice([1e3, 1e4, 1e5])
+    groups = plan_groups(counts, pair, fixed, 4) or [(list(range(12)), max(counts))]
+    assert sorted(i for rows, _ in groups for i in rows) == list(range(12))  # every image exactly once
+    assert all(n == max(counts[i] for i in rows) for rows, n in groups)
+    order = sorted(range(12), key=counts.__getitem__)
+    best = min(
+        _group_cost([(order[a:b], counts[order[b - 1]]) for a, b in zip((0,) + cuts, cuts + (12,))], pair, fixed)
+        for g in range(4)
+        for cuts in itertools.combinations(range(1, 12), g)
+    )
+    assert _group_cost(groups, pair, fixed) == pytest.approx(best)

@@ -40,6 +40,30 @@ def test_train_mode_equals_eval_mode(config, method, options):
     assert max(ev.padded[1:]) < ev.padded[0], "eval mode must really remove tokens"
 
 
+@pytest.mark.parametrize("method", ["ltmp", "ltm"])
+def test_attention_in_groups_equals_the_padded_batch(config, method, monkeypatch):
+    """On the CPU a padded eval batch runs attention per group of images of similar token counts where that pays;
+    nothing else may change."""
+    from ltmp import engine
+
+    model = patched(config, method, THRESHOLDS)
+    x = images(6)
+    plans = []
+    real = engine.plan_groups
+    monkeypatch.setattr(engine, "plan_groups", lambda *a: plans.append(real(*a)) or plans[-1])
+    monkeypatch.setitem(engine.TUNING, "cpu", dict(group_macs=0.0, max_groups=4))  # tiny models: whenever it helps
+    with torch.no_grad():
+        grouped = model(x)
+        kept = ltmp.stats(model).kept
+        assert any(p is not None for p in plans), "some block must group the batch"
+        monkeypatch.setitem(engine.TUNING, "cpu", dict(group_macs=None, max_groups=1))  # never group
+        plans.clear()
+        whole = model(x)
+        assert not plans
+    assert torch.equal(ltmp.stats(model).kept, kept)
+    assert torch.allclose(grouped, whole, atol=1e-12, rtol=0), (grouped - whole).abs().max()
+
+
 @pytest.mark.parametrize("method,options", ALL, ids=[m for m, _ in ALL])
 def test_batch_equals_single_images(config, method, options):
     model = patched(config, method, options)

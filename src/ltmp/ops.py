@@ -236,9 +236,9 @@ def group_max(importance: Tensor, src: Tensor, dst: Tensor, stays: Tensor) -> Te
 def merge_rows(x: Tensor, size: Tensor, rows: Tensor, n: int, extra: Tensor | None = None
                ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
     """ToMe's merge: the rows of x (M, C) with their sizes (M,) summed into rows ``rows`` (M,) of an output of ``n``
-    rows, each output row the size-weighted average of the rows it receives (in at least the size dtype: float32
-    under AMP), its size their sum. ``extra`` (M, K) rows are summed (which patches a token covers). An output row
-    that receives nothing is 0/0; callers cut or replace it.
+    rows, each output row the size-weighted average of the rows it receives (in the sizes' dtype, at least float32
+    and at least x's), its size their sum. ``extra`` (M, K) rows are summed (which patches a token covers). An
+    output row that receives nothing is 0/0; callers cut or replace it.
 
     Returns:
         x (n, C), size (n,), extra (n, K) or None.
@@ -246,10 +246,9 @@ def merge_rows(x: Tensor, size: Tensor, rows: Tensor, n: int, extra: Tensor | No
     den = torch.zeros(n, dtype=size.dtype, device=size.device).index_add_(0, rows, size)  # (n,)
     if extra is not None:
         extra = extra.new_zeros(n, extra.shape[1]).index_add_(0, rows, extra)  # (n, K)
-    dt = torch.promote_types(x.dtype, size.dtype)
-    xs = x.to(dt) * size.to(dt)[:, None]  # (M, C)
-    num = torch.zeros(n, x.shape[1], dtype=dt, device=x.device).index_add_(0, rows, xs)  # (n, C)
-    return (num / den.to(dt)[:, None]).to(x.dtype), den, extra  # (n, C), (n,), (n, K)
+    xs = x.to(size.dtype) * size[:, None]  # (M, C) in the sizes' precision (never below float32)
+    num = torch.zeros(n, x.shape[1], dtype=size.dtype, device=x.device).index_add_(0, rows, xs)  # (n, C)
+    return (num / den[:, None]).to(x.dtype), den, extra  # (n, C), (n,), (n, K)
 
 
 def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: bool) -> None:

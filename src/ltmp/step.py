@@ -36,6 +36,7 @@ class Plan:
     static: bool  # fixed rates in eval: every count follows from the shapes (no host read)
     symbolic: bool  # torch.export: token counts are symbolic, so no Python branch may read them
     compiling: bool  # torch.compile: a batch keeps its padding even where every image keeps the same count
+    tuning: dict  # the device's speed choices (``ltmp.engine.TUNING``; the default while tracing)
 
 
 class Layout:
@@ -99,32 +100,36 @@ class Merge(NamedTuple):
     src: Tensor  # (B, K) positions of the set-A tokens
     dst: Tensor  # (B, K) positions of their most similar set-B tokens
     mask: Tensor | None  # (B, K) merged: bool, or in train mode straight-through 0/1 values (eq. 1-2)
-    hard: Tensor  # (B, K) bool, merged
-    cand: Tensor  # (B, K) bool, set-A tokens that may merge
+    hard: Tensor | None  # (B, K) bool, merged (fixed rates in eval decide only ``stays``)
+    stays: Tensor  # (B, K) bool, not merged
+    cand: Tensor | None  # (B, K) bool, set-A tokens that may merge (None: every one)
 
 
-def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, alive: Tensor, in_order: bool,
+def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, alive: Tensor | None, in_order: bool,
                  threshold: Tensor | None, rate: int, importance: Tensor | None) -> Merge:  # fmt: skip
     """ToMe's matching over the survivors in order (A/B alternate over them, prefix tokens never merge or receive),
     then eq. 1: an A token merges into its most similar B token where the similarity passes the threshold, or for
     fixed rates where it is among the ``rate`` best matched (ties to the earlier position; eval: every image's).
 
     Args:
-        metric: (B, N, D) keys summed over heads. alive: (B, N) bool, the survivors.
+        metric: (B, N, D) keys summed over heads. alive: (B, N) bool, the survivors (None: every token).
         in_order: the survivors are the first positions of each row (eval), so no reordering is needed.
     """
     (B, N, _), first = metric.shape, cfg.set_starts  # sets A and B start past the prefix
-    order, mergeable = None, alive
-    if not in_order:  # the survivors first, in order (any sort of these distinct keys gives this order)
-        pos = torch.arange(N, device=alive.device)
-        order = torch.where(alive, pos, pos + N).topk(N, dim=1, largest=False).indices  # (B, N)
-        metric, mergeable = metric.gather(1, order[..., None].expand(metric.shape)), alive.gather(1, order)
-    score, j = ops.match(metric, ops.blocked_pairs(mergeable, first), first, pad=plan.symbolic)  # (B, Na) each
+    order = blocked = cand = None
+    if alive is not None:
+        if not in_order:  # the survivors first, in order (any sort of these distinct keys gives this order)
+            pos = torch.arange(N, device=alive.device)
+            order = torch.where(alive, pos, pos + N).topk(N, dim=1, largest=False).indices  # (B, N)
+            metric, alive = metric.gather(1, order[..., None].expand(metric.shape)), alive.gather(1, order)
+        blocked, cand = ops.blocked_pairs(alive, first), alive[:, first[0] :: 2]  # (B, Na, Nb), (B, Na)
+    score, j = ops.match(metric, blocked, first, pad=plan.symbolic)  # (B, Na) each
     src = torch.arange(N, device=metric.device)[first[0] :: 2].expand(B, -1)  # (B, Na) set A's positions
     dst = (first[1] + 2 * j).clamp(max=N - 1)  # (B, Na) their B tokens' (match's padding column: never selected)
     if order is not None:
         src, dst = order.gather(1, src), order.gather(1, dst)
-    cand = mergeable[:, first[0] :: 2]  # (B, Na) set-A tokens that may merge
+    if cand is None and (cfg.capture is not None or cfg.fit is not None):
+        cand = torch.ones_like(score, dtype=torch.bool)
     if cfg.capture is not None:
         imp = None if importance is None else importance.gather(1, src).detach().cpu()
         cfg.capture.append(Captured(layer, "merge", score.detach().cpu(), cand.cpu(), imp))
@@ -135,15 +140,17 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
     else:  # the k best matched, k = min(rate, |A|, |B|) per image
         rank = ops.rank(score, largest=True)  # (B, Na)
         if plan.static:  # eval: ``rate`` is what every image merges (static_counts)
-            return Merge(src, dst, None, rank < rate, cand)
-        k = torch.minimum(cand.sum(1), mergeable[:, first[1] :: 2].sum(1)).clamp(max=rate)[:, None]  # (B, 1)
-        mask = (rank < k).to(torch.float32)  # (B, Na) train mode
-    return Merge(src, dst, mask, mask if mask.dtype == torch.bool else mask.detach() > 0.5, cand)
+            return Merge(src, dst, None, None, rank >= rate, cand)
+        k = torch.minimum(cand.sum(1), alive[:, first[1] :: 2].sum(1)).clamp(max=rate)[:, None]  # (B, 1) train
+        mask = (rank < k).to(torch.float32)  # (B, Na)
+    hard = mask if mask.dtype == torch.bool else mask.detach() > 0.5
+    return Merge(src, dst, mask, hard, ~hard, cand)
 
 
-def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, alive: Tensor,
+def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, alive: Tensor | None,
                  threshold: Tensor | None, rate: int) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """Which surviving patch tokens ``alive`` (B, N) are pruned: those whose importance does not pass the threshold
+    """Which surviving patch tokens ``alive`` (B, N) (None: every token) are pruned: those whose importance does not
+    pass the threshold
     (eq. 1), or for fixed rates the ``rate`` least important (ties to the earlier position; in eval ``rate`` is the
     count every image prunes, :func:`static_counts`). With ``keep_one`` an image's most important candidate is
     spared when every candidate would go.
@@ -152,8 +159,9 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
         The pruned tokens (B, N) bool (among the survivors), the candidates (B, N) bool, and in train mode the
         candidates' keep mask (B, N) with straight-through values (eq. 2; else None).
     """
-    N = importance.shape[1]
-    cand = alive & (torch.arange(N, device=alive.device) >= cfg.num_prefix)  # (B, N) surviving patch tokens
+    B, N = importance.shape
+    cand = (torch.arange(N, device=importance.device) >= cfg.num_prefix).expand(B, N)  # (B, N) patch tokens
+    cand = cand if alive is None else alive & cand  # the surviving ones
     if cfg.capture is not None:
         cfg.capture.append(Captured(layer, "prune", importance.detach().cpu(), cand.cpu(), None))
     if not cfg.learned:  # the k least important candidates; with keep_one, k leaves one
@@ -203,10 +211,10 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
     """
     L = state.layout
     B, N = L.batch, L.length
-    if plan.train:  # the survivors (B, N): train mode's kept tokens, eval's real rows
+    if plan.train:  # the survivors (B, N): train mode's kept tokens, eval's real rows (None: every position)
         alive = torch.ones(B, N, dtype=torch.bool, device=x.device) if state.keep is None else state.keep > 0.5
     else:
-        alive = torch.ones(B, N, dtype=torch.bool, device=x.device) if L.real is None else L.real
+        alive = L.real
     in_order = not plan.train or cfg.train_order == "reference"  # (reference order: A/B over all positions)
     static = static_counts(cfg, N, rate) if plan.static else None  # fixed rates in eval: the exact counts
     decisions = []
@@ -214,14 +222,16 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
         if op == "merge":
             m = decide_merge(cfg, plan, layer, metric, alive, in_order, merge_threshold,
                              rate if static is None else static[0], importance)  # fmt: skip
-            alive = alive.scatter(1, m.src, alive.gather(1, m.src) & ~m.hard)  # (B, N)
+            stays = m.stays if alive is None else alive.gather(1, m.src) & m.stays  # (B, Na)
+            alive = torch.ones(B, N, dtype=torch.bool, device=x.device) if alive is None else alive
+            alive = alive.scatter(1, m.src, stays)  # (B, N)
             if importance is not None and cfg.ops[-1] == "prune":  # a merged group's importance, for pruning
-                importance = ops.group_max(importance, m.src, m.dst, ~m.hard)  # (B, N)
+                importance = ops.group_max(importance, m.src, m.dst, m.stays)  # (B, N)
             decisions.append(m)
         else:
             drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold,
                                             rate if static is None else static[1])  # fmt: skip
-            alive = alive & ~drop  # (B, N)
+            alive = ~drop if alive is None else alive & ~drop  # (B, N)
             # (ltpm) a merge after pruning splits A/B over the survivors, not the positions
             in_order = plan.train and cfg.train_order == "reference"
             decisions.append((drop, cand, soft))
@@ -328,7 +338,7 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
     slot = torch.where(flat, flat.cumsum(0), 0)  # (B * N,) survivors' new rows from 1, 0 (cut) the others
     if merge is not None:  # a merged token joins its target's row (row 0 if the target was pruned)
         at = slot.view(B, N)
-        at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill(~merge.hard, 0))
+        at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill(merge.stays, 0))
     T_new = B * n_new if counts is None else sum(counts)
     x, size, source = ops.merge_rows(x, state.size, L.take(slot), T_new + 1, state.source)
     if counts is None or B == 1 or (not plan.compiling and all(c == n_new for c in counts)):

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, identity, linear_macs, mean_pool, norm_macs, pool_bias
+from .base import Adapter, BlockView, conv_macs, identity, linear_macs, mean_pool, norm_macs, pool_bias
 
 #: class name -> the head on top of the backbone ("" for a backbone itself)
 HEADS = {

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, linear_macs, mean_pool, norm_macs
+from .base import Adapter, BlockView, conv_macs, linear_macs, mean_pool, norm_macs
 
 SUPPORTED = (
     "open_clip VisionTransformer (the visual tower: patch model.visual) with ResidualAttentionBlock and "

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from . import Adapter, BlockView, conv_macs, linear_macs, mean_pool, norm_macs, pool_bias
+from .base import Adapter, BlockView, conv_macs, linear_macs, mean_pool, norm_macs, pool_bias
 
 SUPPORTED = (
     "timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
