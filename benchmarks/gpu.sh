@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a lent GPU should measure, in one call of at most 10 minutes (the device is lent for minutes only).
 # Default STEPS, in order of importance (about 9 minutes in all, each step bounded):
-#   targets  issue #17's targets (benchmarks/targets.py, stops starting rows after 7 minutes): DeiT-S and ViT-B
+#   targets  the speed targets (benchmarks/targets.py, stops starting rows after 7 minutes): DeiT-S and ViT-B
 #            shapes, fp32 batch 32 and bf16 batch 256, LTMP at r_FLOPs 0.5, ToMe and top-k at its GMACs, the
 #            reference ToMe's own patch if TOME_REF names a checkout of facebookresearch/ToMe; eager first, then
 #            compiled (CUDA graphs for dense and fixed rates)
@@ -14,8 +14,6 @@
 #   bf16     benchmarks/speed.py on DeiT-S, bf16 autocast, batch 256
 #   cli      ltmp bench and a short torchrun training run on CUDA
 #   grouping attention in groups of similar token counts on CUDA (off by default there)
-#   lse      importance from the fused kernel's log-sum-exp (the CUDA default) against explicit probabilities
-#            (profile_step --lse off|on)
 #   compile  speed.py with every model under torch.compile (Inductor/Triton), fp32; ltmp bench --compile with
 #            learned (calibrated) and ToMe thresholds; a compiled training run
 #   compile-vitb  the same speed.py on the ViT-B shape, bf16 autocast, batch 256
@@ -44,7 +42,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
 run $PY -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, torch.cuda.get_device_name())"
 
 if want targets; then
-    step "issue #17 targets: DeiT-S and ViT-B, fp32 batch 32 and bf16 batch 256, eager then compiled"
+    step "speed targets: DeiT-S and ViT-B, fp32 batch 32 and bf16 batch 256, eager then compiled"
     run timeout 450 $PY benchmarks/targets.py --device cuda --budget 420 --json "$OUT/targets-cuda.json" \
         ${TOME_REF:+--tome-ref "$TOME_REF"}
 fi
@@ -55,13 +53,6 @@ if want profile; then
         if [ "$m" = tome ] && [ -n "${TOME_REF:-}" ]; then ref="--tome-ref $TOME_REF"; fi  # the reference's too
         run timeout 45 $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 \
             --method $m --target 0.5 --device cuda --summary $ref
-    done
-fi
-if want lse; then
-    step "importance from the log-sum-exp (profile_step --lse), DeiT-S batch 32, bf16"
-    for lse in off on; do
-        run $PY benchmarks/profile_step.py --model deit-s --batch-size 32 --forwards 4 --rows 12 --target 0.5 \
-            --device cuda --amp --lse $lse --summary
     done
 fi
 if want check; then
