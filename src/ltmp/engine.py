@@ -222,27 +222,28 @@ def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:
     else:  # rows (T, C)
         x = x.reshape(B * N, C)
         state = TokenState(size.view(-1), Layout(B, N), source=None if source is None else source.reshape(B * N, N))
-    rec = Record(cfg.method, [N], N - cfg.num_prefix, cfg.num_prefix, [], size.dtype, x.device, B)
+    steps, padded, traced = [], [N], []
     for i, blk in enumerate(adapter.blocks(model)):
         rate = 0 if cfg.rate is None else cfg.rate[i]
         x, state, step = block(p, adapter.view(model, blk), blk, x, state, cfg, i, rate)
-        rec.steps.append(step)
-        rec.padded.append(state.layout.length)
+        steps.append(step)
+        padded.append(state.layout.length)
         if cfg.trace_source:
-            _trace(rec, _padded(state, p), cfg.num_prefix)
+            traced.append(_padded(state, p))
     out = _padded(state, p)
     x = x if p.train else state.layout.pad(x)  # (B, N', C)
     if not (p.symbolic or torch.jit.is_tracing()):  # exported graphs have no record (their counts are symbolic)
-        model.ltmp_record = rec
-        if p.train and rec.steps[0].kept_frac.requires_grad:
-            rec.counts()  # built now, with its gradients, whatever mode a first read is in
+        model.ltmp_record = Record(cfg.method, padded, N - cfg.num_prefix, cfg.num_prefix, steps, size.dtype,
+                                   x.device, B, *(_traced(traced, cfg.num_prefix) if traced else ()))  # fmt: skip
+        if p.train and steps[0].kept_frac.requires_grad:
+            model.ltmp_record.counts()  # built now, with its gradients, whatever mode a first read is in
     return x, out
 
 
-def _trace(rec: Record, state: TokenState, num_prefix: int) -> None:
-    """Record, after a block, which patches each token covers (B, N_l, n) and which tokens survive (B, N_l)."""
-    rec.sources = [*(rec.sources or []), state.source[:, :, num_prefix:]]
-    rec.keeps = [*(rec.keeps or []), state.size > 0 if state.keep is None else state.keep > 0.5]
+def _traced(states: list[TokenState], num_prefix: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Which patches each token covers after each block (B, N_l, n), and which tokens survive (B, N_l)."""
+    sources = [s.source[:, :, num_prefix:] for s in states]
+    return sources, [s.size > 0 if s.keep is None else s.keep > 0.5 for s in states]
 
 
 def _padded(state: TokenState, p: Plan) -> TokenState:
