@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -53,6 +54,19 @@ class _Program(nn.Module):
         return self
 
 
+def _require_space(model: nn.Module, path: Path) -> None:
+    """Refuse an export that the disk cannot hold (the exporters abort the process on a full disk): the weights
+    and 64 MiB for the graph."""
+    need = sum(p.numel() * p.element_size() for p in model.parameters()) + (64 << 20)
+    where = path.parent if path.parent.exists() else Path(".")
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise LtmpError(
+            f"--output {path}: {where} has {free >> 20} MiB free and the export needs about {need >> 20} MiB; "
+            f"free disk space or write to another disk"
+        )
+
+
 def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | os.PathLike) -> Path:
     """Export ``model`` (patched or dense) for inputs shaped like ``example`` (1, 3, H, W) to ``path``.
 
@@ -64,6 +78,7 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
     if example.shape[0] != 1:
         raise LtmpError("export takes one example image (batch 1): the exported model runs one image at a time")
     path = Path(path)
+    _require_space(model, path)
     model = _Batch1(model).eval()
     with torch.no_grad():
         if fmt == "export":

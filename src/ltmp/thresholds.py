@@ -7,9 +7,12 @@ information only) the model name. It is a few hundred bytes.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -19,6 +22,12 @@ from torch import nn
 
 from .adapters import adapter_for
 from .config import LEARNED
+
+try:
+    import fcntl  # run folders are locked where the system has POSIX locks
+except ImportError:  # pragma: no cover (Windows)
+    fcntl = None
+from .data import remove_stale
 from .errors import LtmpError
 from .patching import THRESHOLD_NAMES, blocks, patch
 
@@ -65,15 +74,19 @@ def atomic_write(path: str | os.PathLike, write) -> None:
     ``mkstemp``'s private 0o600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    remove_stale(path.parent, f".{path.name}.*.tmp*")  # what a write of this file killed before it finished left
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{os.getpid()}.tmp{path.suffix}", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, Exception) and not isinstance(e, OSError) and shutil.disk_usage(path.parent).free < 1 << 20:
+            # a writer that wraps the system's error (safetensors, torch.save): say what it was
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
         raise
 
 
@@ -104,6 +117,12 @@ def set_thresholds(model: nn.Module, tensors: dict[str, torch.Tensor], source: s
             f"thresholds{' in ' + source if source else ''} do not fit this model's patch "
             f"(file holds {got}, the model needs {expected})"
         )
+    dtype = getattr(blocks(model)[0], next(iter(tensors))).dtype  # the thresholds' own
+    _require_finite(
+        {k: v.to(dtype) for k, v in tensors.items()},
+        f"the model's {str(dtype).replace('torch.', '')} thresholds cannot hold it"
+        f"{' (in ' + source + ')' if source else ''}; train or calibrate the thresholds again",
+    )
     with torch.no_grad():
         for kind, values in tensors.items():
             for blk, v in zip(blocks(model), values):
@@ -221,3 +240,57 @@ def load_thresholds(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     patch(target, meta["method"], tau=float(meta["tau"]), importance=meta["importance"], trace_source=trace)
     set_thresholds(target, tensors, str(path))
     return model
+
+
+#: The file that marks a run folder as made by an ltmp command (``ltmp train``, ``ltmp pretrain``); it holds the
+#: command's name and is locked while a run of it lives.
+RUN_MARKER = ".ltmp-run"
+#: The config.json keys by which a run folder of an ltmp that wrote no marker is recognised, per command.
+LEGACY_RUN_KEYS = {
+    "train": {"total_steps", "r_target", "train_images"},
+    "pretrain": {"steps_per_epoch", "architecture"},
+}
+
+
+def check_run_owner(out: Path, command: str) -> None:
+    """Refuse, before any work, a run folder ``out`` that the command did not make: it must be new, empty, or marked
+    by ``command`` (:data:`RUN_MARKER`)."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    marker, config = out / RUN_MARKER, out / "config.json"
+    made_by = marker.read_text().strip() if marker.is_file() else None
+    if made_by is None and config.is_file():  # a run folder of an ltmp that wrote no marker yet
+        try:
+            keys = set(json.loads(config.read_text()))
+        except (ValueError, OSError):
+            keys = set()
+        made_by = next((c for c, needed in LEGACY_RUN_KEYS.items() if needed <= keys), None)
+    if made_by is None:
+        names = sorted(p.name for p in out.iterdir())
+        raise LtmpError(
+            f"--output {out} holds files ltmp {command} did not make ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}); pass a new or empty folder"
+        )
+    if made_by != command:
+        raise LtmpError(f"--output {out} is a run folder of ltmp {made_by}; pass another --output")
+
+
+@contextlib.contextmanager
+def run_folder(out: Path, command: str):
+    """Hold the run folder ``out`` while a run of ``command`` lives in it: made if new, marked as the command's
+    (:data:`RUN_MARKER`) and locked, so that a second run on it is refused in one line (the lock goes with this
+    process, however it ends)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / RUN_MARKER, "a+") as marker:
+        try:
+            if fcntl is not None:
+                fcntl.flock(marker, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LtmpError(
+                f"--output {out} is in use by another ltmp {command} run; wait for it to end, or pass another --output"
+            ) from None
+        marker.seek(0)
+        marker.truncate()
+        marker.write(command + "\n")
+        marker.flush()
+        yield
