@@ -26,6 +26,9 @@ LEARNED = tuple(m for m, (_, kind) in METHODS.items() if kind == "threshold")
 FIXED_RATE = tuple(m for m, (_, kind) in METHODS.items() if kind == "topk")
 #: How merge thresholds learn in train mode (``ReduceConfig.merge_grad``).
 MERGE_GRADS = ("average", "mask")
+#: How data folders map to a model's classes where they do not match its class names (``--labels``,
+#: ``ltmp.data.label_map``): by name, or the sorted folders as its classes 0, 1, ...
+LABELS = ("names", "order")
 #: Training augmentations (``ltmp.data.transforms_for``).
 AUGMENTS = ("timm", "timm-random", "light", "none")
 #: Training recipes (``ltmp train --recipe``): the values a recipe gives the options not set on the command line

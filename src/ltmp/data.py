@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import shutil
 import tarfile
 import zlib
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from .config import AUGMENTS
 from .errors import LtmpError, first_line
@@ -35,7 +36,31 @@ class DataError(LtmpError):
 
 
 def cache_dir() -> Path:
+    """Where archives are unpacked: ``$LTMP_CACHE``, else ``~/.cache/ltmp``."""
     return Path(os.environ.get("LTMP_CACHE", Path.home() / ".cache" / "ltmp"))
+
+
+def alive(pid: int) -> bool:
+    """A process with this id runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, as another user
+        return True
+    return True
+
+
+def remove_stale(folder: Path, pattern: str) -> None:
+    """Remove what an interrupted write or unpack left in ``folder``: the files and folders matching ``pattern``
+    whose name carries the id of a process that no longer runs (``NAME.tmp<pid>``, ``.NAME.<pid>.tmp...``)."""
+    for p in folder.glob(pattern):
+        found = re.search(r"\.tmp(\d+)$|\.(\d+)\.tmp", p.name)
+        if found and not alive(int(found.group(1) or found.group(2))):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
 
 def unpack_archive(archive: Path) -> Path:
@@ -46,7 +71,15 @@ def unpack_archive(archive: Path) -> Path:
     done = dest / ".unpacked"
     if not done.exists():
         tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale(tmp.parent, f"{dest.name}.tmp*")  # what an unpack killed before it finished left
+            tmp.mkdir(exist_ok=True)
+        except OSError as e:
+            raise DataError(
+                f"cannot unpack {archive} into the cache folder {tmp.parent} ({e.strerror}); set LTMP_CACHE to a "
+                f"folder you can write, or pass an unpacked --data-dir"
+            ) from None
         try:
             with tarfile.open(archive) as tar:
                 tar.extractall(tmp, filter="data")
@@ -117,7 +150,10 @@ def readable(path: str | os.PathLike) -> bool:
 
 
 class ImageFolder(Dataset):
-    """``root/<class>/<image>`` with sorted class names as labels. Unreadable images yield None (skipped)."""
+    """``root/<class>/<image>``. Labels are the class folders' places in ``classes`` (default: the sorted names
+    of the class folders); ``labels`` maps folder names to labels instead (``label_map``), and a folder it does
+    not name is left out. Hidden and empty folders are left out and counted (``ignored``). Unreadable images yield
+    None (skipped)."""
 
     def __init__(
         self,
@@ -125,15 +161,18 @@ class ImageFolder(Dataset):
         transform: Callable | None = None,
         classes: list[str] | None = None,
         hint: str = "choose the split with --val-split",
+        labels: dict[str, int] | None = None,
     ):
         if not root.is_dir():
             raise DataError(f"split folder {root} does not exist; expected {root}/<class>/<image files> ({hint})")
-        self.classes = classes or sorted(p.name for p in root.iterdir() if p.is_dir())
-        index = {c: i for i, c in enumerate(self.classes)}
+        found, self.ignored = class_folders(root)
+        self.classes = classes or found
+        index = labels if labels is not None else {c: i for i, c in enumerate(self.classes)}
+        self.labels = index  # folder name -> label
         self.samples: list[tuple[str, int]] = []
         for c in self.classes:
             folder = root / c
-            if not folder.is_dir():
+            if not folder.is_dir() or c not in index:
                 continue
             for f in sorted(folder.iterdir()):
                 if f.suffix.lower() in IMG_EXTENSIONS:
@@ -261,11 +300,23 @@ def read_images(path: str | os.PathLike, transform: Callable, limit: int) -> lis
         raise LtmpError(f"no images ({', '.join(IMG_EXTENSIONS[:3])}, ...) in {path}")
     out = []
     for f in files:
+        name = f.name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # a name that is not UTF-8
         try:
-            out.append((f.name, transform(load_rgb(f))))
+            out.append((name, transform(load_rgb(f))))
         except UNREADABLE as e:
             raise LtmpError(f"cannot read image {f} ({first_line(e)}); pass a JPEG/PNG image") from None
     return out
+
+
+def class_folders(root: Path) -> tuple[list[str], list[str]]:
+    """The class folders of a split, sorted by name, and the folders left out: hidden ones (``.ipynb_checkpoints``)
+    and those with no image file."""
+    classes, ignored = [], []
+    for p in sorted(root.iterdir()):
+        if p.is_dir():
+            has_images = any(f.suffix.lower() in IMG_EXTENSIONS for f in p.iterdir())
+            (classes if has_images and not p.name.startswith(".") else ignored).append(p.name)
+    return classes, ignored
 
 
 def class_names(data_dir: str, split: str) -> list[str]:
@@ -273,12 +324,85 @@ def class_names(data_dir: str, split: str) -> list[str]:
     folder = split_dir(resolve_root(data_dir), split)
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder; pass --data-dir with {split}/<class>/ image folders")
-    return sorted(p.name for p in folder.iterdir() if p.is_dir())
+    return class_folders(folder)[0]
 
 
-def eval_set(model: torch.nn.Module, data_dir: str, val_split: str, max_images: int | None = None) -> Dataset:
+def label_map(folders: list[str], names: list[str] | None, how: str | None) -> tuple[dict[str, int], str | None]:
+    """Which label each class folder stands for, and a line for the user where that needs saying.
+
+    Args:
+        folders: the split's class folders (sorted). names: the model's class names in its output order, or None
+            where the model has none. how: ``--labels`` (``LABELS``), or None: by name where every folder is a name
+            of the model and every name has a folder; refuse otherwise.
+    """
+    order = {c: i for i, c in enumerate(folders)}
+    if names is None:
+        return order, f"the model names no classes: its classes 0-{len(folders) - 1} are the sorted class folders"
+    if how == "order":
+        return order, None
+    unknown = [c for c in folders if c not in names]
+    missing = [c for c in names if c not in folders]
+    by_name = {c: names.index(c) for c in folders if c in names}
+    if how is None and (unknown or missing):
+        parts = [
+            f"{len(unknown)} class folders it does not know ({', '.join(unknown[:3])})" if unknown else "",
+            f"{len(missing)} of its classes have no folder ({', '.join(missing[:3])})" if missing else "",
+        ]
+        raise DataError(
+            f"the data's class folders do not match the model's {len(names)} class names: "
+            f"{'; '.join(p for p in parts if p)}; pass --labels names (folders by name, unknown folders left out) or "
+            f"--labels order (the sorted folders as its classes 0, 1, ...)"
+        )  # fmt: skip
+    if not by_name:
+        raise DataError(f"none of the data's class folders is one of the model's class names ({names[:3]}, ...); "
+                        f"pass --labels order to take the sorted folders as its classes 0, 1, ...")  # fmt: skip
+    note = (
+        f"left out {len(unknown)} class folders the model does not know: {', '.join(unknown[:3])}" if unknown else None
+    )
+    return by_name, note
+
+
+def fingerprint(dataset: Dataset) -> str:
+    """The images an eval set reads, in order, as one sha256: each file's path within its split and its size.
+    Two evaluations with the same fingerprint ran on the same images (``ltmp eval --compare`` checks it)."""
+    indices, base = list(range(len(dataset))), dataset
+    while isinstance(base, Subset):
+        indices, base = [base.indices[i] for i in indices], base.dataset
+    h = hashlib.sha256()
+    for i in indices:
+        path = base.samples[i][0]
+        h.update(f"{os.path.relpath(path, base.root)}\t{os.path.getsize(path)}\n".encode())
+    return h.hexdigest()
+
+
+def eval_set(model: torch.nn.Module, data_dir: str, val_split: str, max_images: int | None = None,
+             names: list[str] | None = None, labels: str | None = None) -> Dataset:  # fmt: skip
     """The model's eval transform over the eval split of ``data_dir`` (val <-> test fallback), optionally
-    ``max_images`` of it spread evenly over the classes."""
+    ``max_images`` of it spread evenly over the classes. Its class folders are labelled by ``label_map`` (the
+    model's class ``names``, ``--labels``); ``notes`` (on the returned dataset) says what needs saying."""
     root = resolve_root(data_dir)
     _, eval_tf, _ = transforms_for(model, "none")
-    return spread_subset(ImageFolder(split_dir(root, val_split), eval_tf), max_images)
+    folder = split_dir(root, val_split)
+    data = labelled(folder, eval_tf, names, labels)
+    return annotate(spread_subset(data, max_images), data.notes)
+
+
+def labelled(folder: Path, transform: Callable | None, names: list[str] | None, labels: str | None,
+             hint: str = "choose the split with --val-split") -> ImageFolder:  # fmt: skip
+    """An :class:`ImageFolder` whose class folders carry the model's labels (:func:`label_map`), with ``notes``:
+    the lines a command prints about them (folders left out, a model without class names)."""
+    if not folder.is_dir():
+        raise DataError(f"split folder {folder} does not exist; expected {folder}/<class>/<image files> ({hint})")
+    folders, ignored = class_folders(folder)
+    mapping, note = label_map(folders, names, labels)
+    data = ImageFolder(folder, transform, folders, hint, labels=mapping)
+    data.notes = [n for n in (note,) if n]
+    if ignored:
+        data.notes.append(f"left out {len(ignored)} hidden or empty folders in {folder}: {', '.join(ignored[:3])}")
+    return data
+
+
+def annotate(dataset: Dataset, notes: list[str]) -> Dataset:
+    """``dataset`` with ``notes`` (a Subset keeps its base's)."""
+    dataset.notes = notes
+    return dataset

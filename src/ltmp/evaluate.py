@@ -7,6 +7,7 @@ import time
 import torch
 from torch import nn
 
+from .data import fingerprint
 from .errors import LtmpError
 from .flops import dense_gmacs, gmacs, gmacs_executed, vit_spec
 from .record import r_flops, stats
@@ -106,6 +107,7 @@ def evaluate(
             for m, p, k in zip(merged, pruned, kept)
         ],
         "rate": list(cfg.rate) if cfg is not None and cfg.rate is not None else None,
+        "images_sha256": fingerprint(loader.dataset),  # which images (``ltmp eval --compare`` checks it)
         "batch_size": getattr(loader, "batch_size", None),
         "seconds": seconds,
         "correct": "".join(correct),

@@ -231,6 +231,18 @@ def logits(out) -> torch.Tensor:
     return out.logits
 
 
+def label_names(model: nn.Module) -> list[str] | None:
+    """The names of a classifier's classes, in the order of its outputs, where the model knows them: timm's
+    ``pretrained_cfg["label_names"]``, transformers' ``config.id2label`` (not its placeholder ``LABEL_0``, ...), a
+    zero-shot OpenCLIP classifier's classes. None otherwise."""
+    names = (getattr(model, "pretrained_cfg", None) or {}).get("label_names")
+    id2label = getattr(getattr(model, "config", None), "id2label", None)
+    if not names and id2label:
+        names = [id2label[i] for i in sorted(id2label)]
+        names = None if all(n == f"LABEL_{i}" for i, n in enumerate(names)) else names
+    return list(names) if names else None
+
+
 def require_classifier(model: nn.Module) -> None:
     """Refuse models that return embeddings (OpenCLIP's visual tower) where class logits are needed."""
     from .adapters import adapter_for

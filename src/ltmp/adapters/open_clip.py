@@ -32,12 +32,14 @@ class ZeroShotClassifier(nn.Module):
     thresholds, as for any other model.
     """
 
-    def __init__(self, visual: nn.Module, class_embeddings: Tensor, logit_scale: float):
+    def __init__(self, visual: nn.Module, class_embeddings: Tensor, logit_scale: float, classes: Sequence[str] = ()):
         super().__init__()
         self.visual = visual
         self.register_buffer("class_embeddings", F.normalize(class_embeddings, dim=-1))  # (K, D)
         self.logit_scale = float(logit_scale)
         self.pretrained_cfg = dict(getattr(visual, "pretrained_cfg", {}), num_classes=class_embeddings.shape[0])
+        if classes:
+            self.pretrained_cfg["label_names"] = list(classes)
 
     @classmethod
     def from_clip(
@@ -49,7 +51,7 @@ class ZeroShotClassifier(nn.Module):
         prompts = [template.format(c.replace("_", " ")) for c in classes]
         with torch.no_grad():
             text = clip.encode_text(tokenizer(prompts))  # (K, D)
-        return cls(clip.visual, text, float(clip.logit_scale.exp()))
+        return cls(clip.visual, text, float(clip.logit_scale.exp()), classes)
 
     def head(self, features: Tensor) -> Tensor:
         """(B, D) image embeddings -> (B, K) logits."""
