@@ -4,6 +4,7 @@ file that existed before is still there, byte for byte. Then a fuzz of every opt
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -54,10 +55,41 @@ def ws(tiny_model, tiny_data, tmp_path, tmp_path_factory, monkeypatch):  # noqa:
             steps=4,
             checkpoint_every=2,
             workers=0,
+            optimizer="adam",  # learning rates that depend on nothing measured
         )
     )  # as train() saves it: defaults filled in
     save_checkpoint(model, run / "checkpoint.safetensors", 2, cfg)
     (run / "log.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run / ltmp.thresholds.RUN_MARKER).write_text("train\n")
+    torch.save(ltmp.runtime.create_model(tiny_model).state_dict(), tmp_path / "weights.pth")
+    user = tmp_path / "userdir"  # a folder of the user's own files
+    user.mkdir()
+    (user / "config.json").write_text('{"mine": true}\n')
+    (user / "log.jsonl").write_text("my notes\n")
+    pt = tmp_path / "pt"  # a pretraining folder with a log that is not the log pretrain writes
+    pt.mkdir()
+    (pt / ltmp.thresholds.RUN_MARKER).write_text("pretrain\n")
+    (pt / "log.jsonl").write_text("not json\n")
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "nowhere" / "x.json")
+    with safe_open(str(tmp_path / "T.safetensors"), framework="pt") as f:  # a value float32 cannot hold
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k).double() for k in f.keys()}
+    tensors["merge_threshold"][0] = 1e300
+    save_file(tensors, str(tmp_path / "huge.safetensors"), metadata=meta)
+    (tmp_path / "other.json").write_text(
+        json.dumps({"method": "tome", "gmacs": 0.1, "top1": 50.0, "images": 18, "correct": "0" * 18,
+                    "images_sha256": "0" * 64})
+    )  # fmt: skip
+    named = tmp_path / "named"  # the tiny model with class names, and data folders that do not match them
+    named.mkdir()
+    for f in Path(tiny_model.split(":", 1)[1]).iterdir():
+        (named / f.name).write_bytes(f.read_bytes())
+    config = json.loads((named / "config.json").read_text())
+    config["pretrained_cfg"]["label_names"] = ["class0", "class1", "class2"]
+    (named / "config.json").write_text(json.dumps(config))
+    for name, folders in (("miss", ["class0", "class1"]), ("renamed", ["class0", "class1", "car"])):
+        for i, folder in enumerate(folders):
+            (tmp_path / name / "val").mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / "val" / folder).symlink_to(tiny_data / "val" / f"class{i}")
     _damaged(tmp_path / "T.safetensors", tmp_path / "tau.safetensors", tau="abc")
     _damaged(tmp_path / "T.safetensors", tmp_path / "nan.safetensors", nan_block=1)
     state = ltmp.runtime.create_model(tiny_model).state_dict()
@@ -82,6 +114,8 @@ def ws(tiny_model, tiny_data, tmp_path, tmp_path_factory, monkeypatch):  # noqa:
         "T": str(tmp_path / "T.safetensors"),
         "run": str(run),
         "cache": str(cache),
+        "M": tiny_model.split(":", 1)[1],
+        "named": f"local-dir:{named}",
     }
 
 
@@ -96,7 +130,7 @@ def unwritable(tmp: str) -> str:
 
 
 EVAL = "eval --model {model} --data-dir {data} --workers 0"
-TRAIN = "train --model {model} --data-dir {data} --r-target 0.6 --batch-size 8 --workers 0"
+TRAIN = "train --model {model} --data-dir {data} --r-target 0.6 --batch-size 8 --workers 0 --optimizer adam"
 #: (the issue's row, arguments, words the one line holds, True: refused before any model is built)
 ROWS = {
     "1 eval --json onto its own --thresholds": (
@@ -191,6 +225,86 @@ ROWS = {
         False,
     ),
     "12 eval --max-images 0": (f"{EVAL} --max-images 0", "argument --max-images: must be >= 1, got 0", True),
+    # an output is never an input, another run's, or a folder of the user's own files
+    "train --output a folder of the user's files": (
+        f"{TRAIN} --output {{tmp}}/userdir",
+        "--output {tmp}/userdir holds files ltmp train did not make (config.json, log.jsonl); pass a new or empty",
+        True,
+    ),
+    "train --output the model's folder": (f"{TRAIN} --output {{M}}", "is also an input of this command", True),
+    "pretrain --output a folder of the user's files": (
+        "pretrain --data-dir {data} --output {tmp}/userdir",
+        "holds files ltmp pretrain did not make",
+        True,
+    ),
+    "pretrain --output a run folder of train": (
+        "pretrain --data-dir {data} --output {run}",
+        "--output {run} is a run folder of ltmp train; pass another --output",
+        True,
+    ),
+    "calibrate --output the model's weights": (
+        "calibrate --model {model} --data-dir {data} --r-target 0.5 --output {M}/model.safetensors --overwrite",
+        "lies inside {M}, an input of this command",
+        True,
+    ),
+    "eval --json the model's config": (
+        f"{EVAL} --method tome --r 2 --json {{M}}/config.json --overwrite",
+        "lies inside {M}, an input of this command",
+        True,
+    ),
+    "eval --json inside the data": (
+        f"{EVAL} --method tome --r 2 --json {{data}}/val/e.json",
+        "lies inside {data}, an input of this command",
+        True,
+    ),
+    "eval --json a dangling link": (
+        f"{EVAL} --method tome --r 2 --json {{tmp}}/dangling.json",
+        "--json {tmp}/dangling.json is a link to nothing",
+        True,
+    ),
+    # silently wrong before
+    "eval labels: a class folder missing": (
+        "eval --model {named} --data-dir {tmp}/miss --workers 0",
+        "1 of its classes have no folder (class2); pass --labels names",
+        False,
+    ),
+    "eval labels: a folder renamed": (
+        "eval --model {named} --data-dir {tmp}/renamed --workers 0",
+        "1 class folders it does not know (car)",
+        False,
+    ),
+    "train --resume with another --checkpoint": (
+        f"{TRAIN} --steps 4 --checkpoint-every 2 --output {{run}} --resume --checkpoint {{tmp}}/weights.pth",
+        "cannot resume {run}: it was started with checkpoint=None, not",
+        False,
+    ),
+    "train --resume with another learning rate": (
+        f"{TRAIN} --steps 4 --checkpoint-every 2 --output {{run}} --resume --lr-merge 0.5",
+        "cannot resume {run}: it was started with lr_merge=0.002, not 0.5",
+        False,
+    ),
+    "eval --compare another image set of the same size": (
+        f"{EVAL} --method tome --r 2 --compare {{tmp}}/other.json",
+        "was evaluated on other images than these (18 images)",
+        False,
+    ),
+    "eval --thresholds with --method and --r": (
+        f"{EVAL} --thresholds {{T}} --method tome --r 4",
+        "--method tome disagrees with --thresholds {T}, which holds ltmp",
+        True,
+    ),
+    "eval --thresholds with --r": (f"{EVAL} --thresholds {{T}} --r 4", "--r sets a fixed rate", True),
+    "eval thresholds float32 cannot hold": (
+        f"{EVAL} --thresholds {{tmp}}/huge.safetensors",
+        "merge_threshold of block 1 is inf (not finite); the model's float32 thresholds cannot hold it",
+        False,
+    ),
+    # tracebacks before
+    "pretrain into a folder whose log is not its JSON": (
+        "pretrain --data-dir {data} --val-split val --epochs 1 --batch-size 8 --workers 0 --output {tmp}/pt",
+        "{tmp}/pt/log.jsonl is not the log ltmp pretrain writes",
+        False,
+    ),
 }
 
 
@@ -283,7 +397,8 @@ def test_interrupt_says_what_to_do_per_command(ws, capsys, monkeypatch):
 
     monkeypatch.setattr(ltmp.evaluate, "evaluate", interrupt)
     assert main(["--quiet", *EVAL.format(**ws).split(), "--method", "tome", "--r", "2"]) == 130
-    assert capsys.readouterr().err.strip() == "ltmp: interrupted; nothing was written"
+    *notes, last = capsys.readouterr().err.strip().splitlines()  # (the model names no classes: a note says so)
+    assert last == "ltmp: interrupted; nothing was written" and all(n.startswith("ltmp: note: ") for n in notes)
     monkeypatch.setattr(ltmp.train, "create_model", interrupt)
     assert main(["--quiet", *TRAIN.format(**ws).split(), "--output", f"{ws['tmp']}/new"]) == 130
     assert capsys.readouterr().err.strip() == (
@@ -415,3 +530,166 @@ def test_every_option_of_every_command_fuzzed(tiny_model, tiny_data, tmp_path, c
     finally:
         torch.set_num_threads(threads)
     assert outcomes[0] > 20 and outcomes[2] > 100, outcomes  # both outcomes are exercised
+
+
+# ------------------------------------------------------------------------------------- nothing lost, round two
+
+
+def _one_line(capsys, code: int, words: str) -> None:
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("ltmp: note: ")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("ltmp: error: ") and words in lines[0], lines[0]
+
+
+def test_a_second_run_on_a_run_folder_in_use_is_refused(ws, capsys):
+    """A run folder is locked while its run lives: a second ltmp train on it stops in one line and changes
+    nothing."""
+    out = Path(ws["tmp"]) / "busy"
+    with ltmp.thresholds.run_folder(out, "train"):  # the first run, alive
+        before = snapshot(ws["tmp"])
+        code = main(["--quiet", *TRAIN.format(**ws).split(), "--steps", "2", "--output", str(out)])
+        _one_line(capsys, code, f"--output {out} is in use by another ltmp train run")
+        assert snapshot(ws["tmp"]) == before
+    assert main(["--quiet", *TRAIN.format(**ws).split(), "--steps", "2", "--no-eval", "--output", str(out)]) == 0
+
+
+@pytest.mark.parametrize("case", ["hidden", "missing"])
+def test_labels_follow_the_model_class_names(ws, tiny_data, tmp_path, capsys, case):  # noqa: F811
+    """A hidden empty folder is left out (and said); a missing class folder, with --labels names, leaves the other
+    images labelled by name: each image is judged as on the full data."""
+    full = tmp_path / "full.json"
+    args = ["--quiet", "eval", "--model", ws["named"], "--workers", "0", "--method", "tome", "--r", "2"]
+    assert main([*args, "--data-dir", str(tiny_data), "--json", str(full)]) == 0
+    ref = json.loads(full.read_text())["correct"]  # class0, class1, class2: 6 images each
+    data = tmp_path / case
+    folders = ["class0", "class1", "class2"] if case == "hidden" else ["class0", "class2"]
+    for folder in folders:
+        (data / "val").mkdir(parents=True, exist_ok=True)
+        (data / "val" / folder).symlink_to(tiny_data / "val" / folder)
+    if case == "hidden":
+        (data / "val" / ".ipynb_checkpoints").mkdir()
+    out = tmp_path / f"{case}.json"
+    extra = [] if case == "hidden" else ["--labels", "names"]
+    capsys.readouterr()
+    assert main([*args, "--data-dir", str(data), "--json", str(out), *extra]) == 0
+    got = json.loads(out.read_text())["correct"]
+    assert got == (ref if case == "hidden" else ref[:6] + ref[12:])
+    note = "left out 1 hidden or empty folders" if case == "hidden" else None
+    assert note is None or note in capsys.readouterr().err
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "somewhere")
+
+
+@pytest.mark.parametrize("command", ["eval", "calibrate", "train"])
+def test_a_full_disk_is_one_line_and_keeps_the_old_files(ws, capsys, monkeypatch, command):
+    args = {
+        "eval": f"{EVAL} --method tome --r 2 --json {{T}} --overwrite",
+        "calibrate": "calibrate --model {model} --data-dir {data} --r-target 0.5 --images 4 --output {T} --overwrite",
+        "train": f"{TRAIN} --steps 2 --no-eval --output {{tmp}}/full",
+    }[command]
+    before = snapshot(ws["tmp"])
+    monkeypatch.setattr(os, "replace", _no_space)  # every atomic write's last step
+    code = main(["--quiet", *args.format(**ws).split()])
+    _one_line(capsys, code, "No space left on device; free disk space, or write to another disk")
+    assert snapshot(ws["tmp"]) == before
+
+
+def test_an_export_the_disk_cannot_hold_is_refused(ws, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1 << 20))
+    before = snapshot(ws["tmp"])
+    out = f"{ws['tmp']}/m.pt2"
+    code = main(["--quiet", "export", "--model", ws["model"], "--method", "tome", "--r", "2", "--output", out])
+    _one_line(capsys, code, "has 1 MiB free and the export needs about")
+    assert snapshot(ws["tmp"]) == before
+
+
+@pytest.mark.parametrize("where", ["file", "unwritable", "home"])
+def test_a_cache_that_cannot_be_written_is_one_line(ws, tmp_path, capsys, monkeypatch, where):
+    archive = Path(ltmp.__file__).parent / "assets" / "cifar10-subset.tar.gz"
+    if where == "home":
+        monkeypatch.delenv("LTMP_CACHE")
+        monkeypatch.setenv("HOME", unwritable(str(tmp_path)))
+    else:
+        monkeypatch.setenv("LTMP_CACHE", f"{ws['tmp']}/a-file" if where == "file" else unwritable(str(tmp_path)))
+    code = main(["--quiet", "eval", "--model", ws["model"], "--data-dir", str(archive), "--workers", "0"])
+    _one_line(capsys, code, "set LTMP_CACHE to a folder you can write")
+
+
+def test_bench_of_an_export_made_for_another_input_size_is_one_line(ws, tmp_path, capsys):
+    import timm
+    from timm.models._hub import save_for_hf
+
+    other = tmp_path / "other16"  # the tiny model at 16 pixels
+    args = dict(img_size=16, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=3)
+    save_for_hf(timm.create_model("vit_tiny_patch16_224", **args), str(other), model_args=args,
+                data_config=dict(input_size=(3, 16, 16), crop_pct=1.0, mean=(0.5,) * 3, std=(0.25,) * 3))  # fmt: skip
+    pt2 = tmp_path / "m.pt2"
+    assert main(["--quiet", "export", "--model", f"local-dir:{other}", "--method", "tome", "--r", "1", "--output",
+                 str(pt2)]) == 0  # fmt: skip
+    capsys.readouterr()
+    code = main(["--quiet", "bench", "--model", ws["model"], "--method", "tome", "--r", "2", "--exported", str(pt2),
+                 "--batch-size", "2", "--warmup", "0", "--reps", "1", "--rounds", "1"])  # fmt: skip
+    _one_line(capsys, code, f"--exported {pt2} does not run on this model's inputs (3, 32, 32)")
+
+
+def test_viz_reads_an_image_whose_name_is_not_utf8(ws, tiny_data, tmp_path, capsys):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    name = os.fsdecode(b"caf\xe9.png")  # Latin-1, not UTF-8
+    (folder / name).write_bytes((tiny_data / "val" / "class0" / "000.png").read_bytes())
+    out = tmp_path / "v.png"
+    args = ["--quiet", "viz", "--model", ws["model"], "--method", "tome", "--r", "2", "--image", str(folder)]
+    assert main([*args, "--output", str(out)]) == 0 and out.stat().st_size > 0
+
+
+def test_stale_temporary_files_of_killed_writes_and_unpacks_are_removed(ws, tmp_path):
+    """A write or an unpack killed before it finished leaves a temporary file or folder named with its process id;
+    the next write of that file, or unpack of that archive, removes it."""
+    from ltmp.data import unpack_archive
+    from ltmp.thresholds import atomic_write
+
+    dead = 2**22 + 12345  # above any pid this machine hands out
+    folder = tmp_path / "writes"
+    folder.mkdir()
+    (folder / f".x.json.abcd.{dead}.tmp.json").write_text("")
+    atomic_write(folder / "x.json", lambda t: Path(t).write_text("{}"))
+    assert sorted(p.name for p in folder.iterdir()) == ["x.json"]
+    archive = Path(ltmp.__file__).parent / "assets" / "cifar10-subset.tar.gz"
+    cache = Path(ws["cache"])
+    root = unpack_archive(archive)  # unpacked once
+    dest = next(p for p in cache.iterdir() if p.is_dir() and not p.name.count(".tmp"))
+    import shutil
+
+    shutil.rmtree(dest)
+    (cache / f"{dest.name}.tmp{dead}" / "half").mkdir(parents=True)  # a killed unpack's folder
+    assert unpack_archive(archive) == root
+    assert sorted(p.name for p in cache.iterdir()) == [dest.name]
+
+
+@pytest.mark.slow
+def test_sigterm_during_training_is_handled_like_ctrl_c(ws, tmp_path):
+    """A kill (SIGTERM) before the first checkpoint removes the run folder it created and says what to do, as
+    Ctrl-C does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "killed"
+    argv = [sys.executable, "-m", "ltmp", "--quiet", *TRAIN.format(**ws).split(), "--steps", "1000", "--output",
+            str(out)]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not (out / "log.jsonl").exists() and time.time() < deadline:  # training has begun
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "ltmp: interrupted; rerun with --resume to continue from the last checkpoint"
+    assert not out.exists()

@@ -52,7 +52,13 @@ def thresholds_of(path) -> dict[str, float]:
 def test_train_writes_thresholds_config_log_and_eval(tiny_model, tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(train_args(tiny_model, tiny_data, out, "--steps", "5")) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "eval.json", "log.jsonl", "thresholds.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".ltmp-run",
+        "config.json",
+        "eval.json",
+        "log.jsonl",
+        "thresholds.safetensors",
+    ]
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in log] == [1, 2, 3, 4, 5]
     assert {"loss", "r_flops", "images_per_s"} <= set(log[0])

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
 from ._version import __version__
-from .config import AUGMENTS, CHOICES, FIXED_RATE, LEARNED, RECIPES
-from .errors import LtmpError
+from .config import AUGMENTS, CHOICES, FIXED_RATE, LABELS, LEARNED, RECIPES
+from .errors import LtmpError, first_line
 
 
 class CLIError(LtmpError):
@@ -123,6 +126,12 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--checkpoint", help="weights file: timm, torch or safetensors state dict")
 
 
+LABELS_HELP = (
+    "how the data's class folders map to the model's classes where they do not match its class names: names (by "
+    "name; folders it does not know are left out) or order (the sorted folders as its classes 0, 1, ...)"
+)
+
+
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data-dir",
@@ -130,6 +139,7 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         help="ImageFolder root with train/ and val/ splits, or a .tar.gz archive of that layout",
     )
     p.add_argument("--val-split", default="val", help="validation split folder (CIFAR-10 layout: test)")
+    p.add_argument("--labels", choices=LABELS, help=LABELS_HELP)
     p.add_argument("--batch-size", type=COUNT, default=128)
     p.add_argument("--workers", type=WORKERS, default=2, help="data loader processes")
     p.add_argument(
@@ -205,6 +215,7 @@ def train_config(args):
         budget_tokens=args.budget_tokens,
         budget_pool=args.budget_pool,
         clamp=args.clamp,
+        labels=args.labels,
     )
     # the recipe's values where an option was not given, TrainConfig's defaults for the rest
     return TrainConfig(
@@ -279,8 +290,9 @@ def cmd_eval(args) -> int:
 
     from . import data as ldata
     from .evaluate import evaluate
-    from .runtime import compile_model, create_model, pick_device
+    from .runtime import compile_model, create_model, label_names, pick_device
 
+    _check_reduction_args(args)
     gmacs = args.match_gmacs if args.match is None else _eval_json(args.match, "--match")["gmacs"]
     shape = None
     if args.follow:  # the rate spread over the layers like the tokens that run removed, at its GMACs by default
@@ -296,7 +308,17 @@ def cmd_eval(args) -> int:
         dense_ok=True,
         shape=shape,
     )
-    dataset = ldata.eval_set(model, args.data_dir, args.val_split, args.max_images)
+    dataset = ldata.eval_set(model, args.data_dir, args.val_split, args.max_images, label_names(model), args.labels)
+    if args.compare:
+        other = _eval_json(args.compare, "--compare")
+        if other.get("images_sha256") != ldata.fingerprint(dataset):
+            raise CLIError(
+                f"--compare {args.compare} was evaluated on other images than these ({other['images']} images"
+                + ("" if "images_sha256" in other else ", and it records no fingerprint of them")
+                + "); compare evaluations of the same --data-dir, --val-split and --max-images"
+            )
+    for note in dataset.notes:
+        print(f"ltmp: note: {note}", file=sys.stderr)
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers, collate_fn=ldata.collate_skip)
     device = pick_device(args.device)
     if args.compile:
@@ -312,7 +334,6 @@ def cmd_eval(args) -> int:
     if result["rate"] is not None:
         print(f"per-layer rate: {','.join(str(v) for v in result['rate'])}")
     if args.compare:
-        other = _eval_json(args.compare, "--compare")
         from .significance import mcnemar
 
         test = mcnemar(result["correct"], other["correct"])
@@ -327,6 +348,25 @@ def cmd_eval(args) -> int:
 
         write_json(args.json, result)
     return 0
+
+
+def _check_reduction_args(args) -> None:
+    """Refuse, before any work, what a thresholds file decides given beside it: the method, a fixed rate's --r or
+    --k, a schedule to match."""
+    if not args.thresholds:
+        return
+    from .thresholds import read_thresholds
+
+    method = read_thresholds(args.thresholds)[1]["method"]
+    if args.method not in (None, method):
+        raise CLIError(
+            f"--method {args.method} disagrees with --thresholds {args.thresholds}, which holds {method}; drop "
+            f"--method (the thresholds file decides it), or drop --thresholds"
+        )
+    given = [f for f in ("r", "k", "match", "match_gmacs", "follow") if getattr(args, f, None) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise CLIError(f"{flag} sets a fixed rate, and --thresholds {args.thresholds} decides the reduction; pass one")
 
 
 def _reduced_model(args, model, gmacs: float | None = None, dense_ok: bool = False, shape: list[float] | None = None):
@@ -361,6 +401,7 @@ def cmd_bench(args) -> int:
     from .bench import GLIBC_DEFAULTS, GLIBC_KEEP_MEMORY, bench_models
     from .runtime import create_model, pick_device
 
+    _check_reduction_args(args)
     device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -384,6 +425,15 @@ def cmd_bench(args) -> int:
                 "each image needs, so pass --data-dir DIR to time real images",
                 file=sys.stderr,
             )
+    if exported is not None:
+        try:
+            with torch.no_grad():
+                exported(batch[:1].to(device))
+        except Exception as e:  # torch raises several types on inputs the program was not made for
+            raise CLIError(
+                f"--exported {args.exported} does not run on this model's inputs {tuple(batch.shape[1:])} "
+                f"({first_line(e)}); export this model again with ltmp export"
+            ) from None
     if args.deployed:
         return _bench_deployed(args, dense.cpu(), reduced.cpu(), batch)
     result = {
@@ -1030,14 +1080,20 @@ def _same(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
+def _within(path: Path, folder: Path) -> bool:
+    """``path`` lies inside ``folder`` (links followed)."""
+    return folder.resolve() in path.resolve().parents
+
+
 def check_outputs(args) -> None:
     """Before any work: no output replaces one of the command's inputs; none replaces an existing file or a folder
     with files in it without --overwrite (train: --resume or --overwrite, ``ltmp.train.check_run_folder``; demo
     and pretrain continue in their folder); each can be written (no file in the way, a writable folder)."""
     named = [getattr(args, k, None) for k in INPUTS]
     inputs = [Path(v) for x in named if x for v in (x if isinstance(x, list) else [x])]
-    if (getattr(args, "model", None) or "").startswith("local-dir:"):
-        inputs.append(Path(args.model.split(":", 1)[1]))
+    kind, _, folder = (getattr(args, "model", None) or "").partition(":")
+    if kind in ("local-dir", "hf") and os.path.isdir(folder):  # a model folder: none of its files may be replaced
+        inputs.append(Path(folder))
     outputs = [
         (Path(getattr(args, k)), f"--{k}", folder)
         for k, folder in OUTPUTS.get(args.command, ())
@@ -1048,8 +1104,12 @@ def check_outputs(args) -> None:
             (outputs[0][0].with_suffix(".json"), f"--output's points file, {outputs[0][0].stem}.json,", False)
         )
     for path, flag, folder in outputs:
-        if any(_same(path, i) for i in inputs):
-            raise CLIError(f"{flag} {path} is also an input of this command; write to another path")
+        inside = next((i for i in inputs if _same(path, i) or (i.is_dir() and _within(path, i))), None)
+        if inside is not None:
+            what = "is also an input" if _same(path, inside) else f"lies inside {inside}, an input"
+            raise CLIError(f"{flag} {path} {what} of this command; write to another path")
+        if path.is_symlink() and not path.exists():
+            raise CLIError(f"{flag} {path} is a link to nothing ({os.readlink(path)}); pass another path")
         if folder and path.exists() and not path.is_dir():
             raise CLIError(f"{flag} {path} is a file; pass a folder")
         if not folder and path.is_dir():
@@ -1075,6 +1135,21 @@ def check_outputs(args) -> None:
             ) from None
 
 
+#: the system's refusals of a file that a command reports in one line (errno -> the fix); any other OSError keeps
+#: its traceback
+SYSTEM_ERRORS = {
+    errno.ENOSPC: "free disk space, or write to another disk",
+    errno.EDQUOT: "free space within your disk quota, or write elsewhere",
+    errno.EROFS: "write to a folder on a writable file system",
+    errno.EACCES: "pass a path you can read or write",
+    errno.EPERM: "pass a path you can read or write",
+}
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not [a for a in argv if a != "--quiet"]:
@@ -1084,12 +1159,23 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help, --version, or a bad option (its one line is printed): the exit code
         return e.code
     warnings.filterwarnings("ignore", message=".*TypedStorage.*")
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None  # a kill is a Ctrl-C
     try:
         check_outputs(args)
         return args.func(args)
     except LtmpError as e:  # a user mistake we name (CLIError, DataError, TrainError, ...): one line, no traceback
         print(f"ltmp: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the system refused a file (a full disk, permissions, a path that is not there)
+        if e.errno not in SYSTEM_ERRORS:
+            raise
+        where = f" {e.filename}" if e.filename else ""
+        print(f"ltmp: error: cannot use{where}: {e.strerror}; {SYSTEM_ERRORS[e.errno]}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"ltmp: interrupted; {INTERRUPTED.get(args.command, 'nothing was written')}", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from . import data as ldata
 from .evaluate import evaluate
 from .runtime import amp_context, pick_device
-from .thresholds import atomic_write, write_json
+from .thresholds import atomic_write, check_run_owner, run_folder, write_json
 from .train import EpochIndexed, StepBatches, TrainError
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -119,12 +119,20 @@ def lr_at(step: int, steps_per_epoch: int, cfg: PretrainConfig) -> float:
 
 
 def pretrain(cfg: PretrainConfig, progress: bool = True) -> dict:
-    """Run (or resume) the pretraining; returns the last epoch's test accuracy and the model folder."""
+    """Run (or resume) the pretraining; returns the last epoch's test accuracy and the model folder. ``cfg.output``
+    must be new, empty, or this command's (``ltmp.thresholds.RUN_MARKER``); it is locked while the run lives."""
+    out = Path(cfg.output)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--output {out} is a file; pass a run folder (new, or this command's to continue)")
+    check_run_owner(out, "pretrain")
+    with run_folder(out, "pretrain"):  # a second run on it is refused
+        return _pretrain(cfg, out, progress)
+
+
+def _pretrain(cfg: PretrainConfig, out: Path, progress: bool) -> dict:
     from torchvision import transforms as T
 
     device = pick_device(cfg.device)
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = cifar_vit().to(device)
     root = ldata.resolve_root(cfg.data_dir)
@@ -156,11 +164,14 @@ def pretrain(cfg: PretrainConfig, progress: bool = True) -> dict:
         opt.load_state_dict(state["opt"])
         start = int(state["step"])
     log_path = out / "log.jsonl"
-    kept = (
-        [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
-        if log_path.exists()
-        else []
-    )
+    try:
+        kept = [ln for ln in log_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
+    except FileNotFoundError:
+        kept = []
+    except (ValueError, KeyError, TypeError):
+        raise TrainError(
+            f"{log_path} is not the log ltmp pretrain writes (a line is not its JSON); move it away to continue"
+        ) from None
     atomic_write(log_path, lambda tmp: Path(tmp).write_text("".join(ln + "\n" for ln in kept)))
     write_json(
         out / "config.json",

@@ -7,6 +7,7 @@ training runs under ``torchrun`` (torch.distributed: gloo on the CPU, nccl on GP
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -32,9 +33,25 @@ from .evaluate import evaluate
 from .flops import budget_loss_value, vit_spec
 from .patching import THRESHOLD_NAMES, blocks, patch, score_ranges
 from .record import mean_r_flops, r_flops, stats
-from .runtime import amp_context, amp_dtype, compile_model, create_model, pick_device, require_classifier
+from .runtime import (
+    amp_context,
+    amp_dtype,
+    compile_model,
+    create_model,
+    label_names,
+    pick_device,
+    require_classifier,
+)
 from .runtime import logits as logits_of
-from .thresholds import atomic_write, save_thresholds, set_thresholds, threshold_tensors, write_json
+from .thresholds import (
+    atomic_write,
+    check_run_owner,
+    run_folder,
+    save_thresholds,
+    set_thresholds,
+    threshold_tensors,
+    write_json,
+)
 
 
 class TrainError(LtmpError):
@@ -89,6 +106,7 @@ class TrainConfig:
     holdout: float = 0.0  # fraction of train held out for validation (the paper used 0.02)
     max_train_images: int | None = None  # a fixed random subset of the training images
     augment: str = "timm"  # timm (paper) | light | none
+    labels: str | None = None  # class folders against the model's class names (ltmp.data.label_map, --labels)
     amp: str = ""  # mixed precision: "" off, "auto" (bf16 where supported, else fp16), "bf16", "fp16" (GPU)
     seed: int = 0
     checkpoint_every: int = 50  # steps between atomic checkpoints
@@ -278,27 +296,37 @@ def save_checkpoint(
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
-#: settings that must not change when a run resumes (they decide which images and targets each step sees)
+#: settings that must not change when a run resumes: everything that shapes its result (the first that differs is
+#: named; learning rates are compared as resolved, so one given by hand must match what the run first used)
 RESUME_KEYS = (
     "model",
+    "pretrained",
+    "checkpoint",
     "data_dir",
+    "train_split",
+    "holdout",
+    "max_train_images",
+    "labels",
     "method",
     "importance",
     "r_target",
+    "recipe",
     "batch_size",
     "epochs",
     "steps",
     "seed",
-    "holdout",
-    "max_train_images",
     "augment",
-    "train_split",
     "tau",
     "lam",
-    "mask_grad",
-    "merge_grad",
     "budget",
     "optimizer",
+    "lr_merge",
+    "lr_prune",
+    "merge_init",
+    "prune_init",
+    "calibrate",
+    "mask_grad",
+    "merge_grad",
     "distill",
     "label_smoothing",
     "combine",
@@ -320,6 +348,8 @@ LEGACY = {
     "budget_tokens": "patches",
     "budget_pool": "image",
     "clamp": "scores",
+    "labels": None,
+    "recipe": "default",
 }
 
 
@@ -359,13 +389,14 @@ def load_checkpoint_state(model: nn.Module, path: Path, cfg: TrainConfig) -> tup
 
 
 def build_train_data(cfg: TrainConfig, model: nn.Module):
+    """The training images (with their indices after the hold-out and ``max_train_images``), the images evaluated
+    after training (held out, or the validation split) and the data config. Class folders carry the model's labels
+    (``ltmp.data.label_map``: by name where the model names its classes, ``cfg.labels``); ``train_set.notes`` says
+    what needs saying about them."""
     root = ldata.resolve_root(cfg.data_dir)
     train_tf, eval_tf, data_cfg = ldata.transforms_for(model, cfg.augment)
-    train_set = ldata.ImageFolder(
-        ldata.split_dir(root, cfg.train_split),
-        train_tf,
-        hint=f"training reads the {cfg.train_split}/ split of --data-dir",
-    )
+    hint = f"training reads the {cfg.train_split}/ split of --data-dir"
+    train_set = ldata.labelled(ldata.split_dir(root, cfg.train_split), train_tf, label_names(model), cfg.labels, hint)
     indices = list(range(len(train_set)))
     held: list[int] = []
     if cfg.holdout:
@@ -375,10 +406,10 @@ def build_train_data(cfg: TrainConfig, model: nn.Module):
         pick = torch.randperm(len(indices), generator=g)[: cfg.max_train_images].tolist()
         indices = sorted(indices[i] for i in pick)
     if held:
-        val_set = Subset(ldata.ImageFolder(train_set.root, eval_tf, train_set.classes), held)
+        val_set = Subset(ldata.ImageFolder(train_set.root, eval_tf, train_set.classes, labels=train_set.labels), held)
     else:
         val_root = ldata.split_dir(root, cfg.val_split)
-        val_set = ldata.ImageFolder(val_root, eval_tf, train_set.classes) if val_root.is_dir() else None
+        val_set = ldata.labelled(val_root, eval_tf, label_names(model), cfg.labels) if val_root.is_dir() else None
     return train_set, indices, val_set, data_cfg
 
 
@@ -413,6 +444,7 @@ def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:
         raise TrainError("pass --resume to continue the run in --output, or --overwrite to replace it; not both")
     if out.exists() and not out.is_dir():
         raise TrainError(f"--output {out} is a file; pass a run folder (new, or one to --resume)")
+    check_run_owner(out, "train")
     ckpt, done = out / "checkpoint.safetensors", out / "thresholds.safetensors"
     if resume and done.exists() and not ckpt.exists():
         raise TrainError(
@@ -444,12 +476,13 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, overwri
     check_run_folder(out, resume, overwrite)  # on every rank: none may go on
     ddp, device = init_distributed(cfg.device)
     created = not out.exists()
-    try:
-        return _train(cfg, ddp, device, out, resume, overwrite, progress)
-    except BaseException:
-        if ddp.main and created and out.is_dir() and not (out / "checkpoint.safetensors").exists():
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+    with run_folder(out, "train") if ddp.main else contextlib.nullcontext():  # a second run on it is refused
+        try:
+            return _train(cfg, ddp, device, out, resume, overwrite, progress)
+        except BaseException:
+            if ddp.main and created and not (out / "checkpoint.safetensors").exists():
+                shutil.rmtree(out, ignore_errors=True)
+            raise
 
 
 def _train(
