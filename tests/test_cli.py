@@ -725,3 +725,12 @@ def _check_compile_flags(tiny_model, tiny_data, tmp_path, monkeypatch, dynamo_co
     compiled = thresholds_of(tmp_path / "compiled" / "thresholds.safetensors")
     assert any(v != 0.0 for k, v in eager.items() if k.startswith("prune"))  # the 3 steps moved the thresholds
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
+
+
+def test_bare_ltmp_prints_its_commands_and_exits_zero(capsys):
+    """``ltmp`` with no command is a request for help, not a run: it lists the commands and exits 0."""
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ltmp")
+    for command in ("train", "eval", "bench", "demo", "export"):
+        assert command in out

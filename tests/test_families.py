@@ -287,10 +287,12 @@ def test_models_outside_the_families_are_refused_with_what_is_supported():
     assert ltmp.stats(clip.visual).kept[0].tolist() == [60]  # 64 patches, 4 merged in its one block
 
 
-def test_transformers_flags_that_need_every_token_get_a_clear_error():
+def test_transformers_attention_maps_get_a_clear_error():
+    """Attention maps have one row per surviving token, a different count per block and image: refused in one line
+    (hidden states are given per patch, ``test_hidden_states_are_every_layer_per_patch``)."""
     model = ltmp.patch(make("hf-vit"), "ltmp", **THRESHOLDS)
-    with pytest.raises(ValueError, match=r"^output_hidden_states=True is not available on a model patched by ltmp"):
-        model(pixel_values=images(1), output_hidden_states=True)
+    with pytest.raises(ValueError, match=r"^output_attentions=True is not available on a model patched by ltmp"):
+        model(pixel_values=images(1), output_attentions=True)
 
 
 @pytest.mark.parametrize("arch,published", [("ViT-B-32", 8.82), ("ViT-B-16", 35.13), ("ViT-L-14", 162.03)])
@@ -404,3 +406,76 @@ def test_transformers_arguments_are_keyword_only_and_return_dict_is_honoured():
     assert (
         isinstance(tup, tuple) and torch.equal(tup[0], out.last_hidden_state) and torch.equal(tup[1], out.pooler_output)
     )
+
+
+def tokens(family: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The family's per-token output (B, N, C) as users read it: timm ``forward_features``, transformers
+    ``last_hidden_state`` (the classifiers: the last of ``hidden_states``), OpenCLIP's ``output_tokens``."""
+    if family == "timm":
+        return model.forward_features(x)
+    if family.startswith("open-clip"):
+        tower = getattr(model, "visual", model)
+        tower.output_tokens = True
+        try:
+            return model(x)[1]
+        finally:
+            tower.output_tokens = False
+    out = model(x, output_hidden_states=True)
+    seq = getattr(out, "last_hidden_state", None)
+    if seq is None and out.hidden_states is None:  # (DeiT with teacher returns none: its backbone's)
+        out = ltmp.adapters.hf.backbone(model)(x, output_hidden_states=True)
+    return out.hidden_states[-1] if seq is None else seq
+
+
+DENSE = [f for f in FAMILIES if f != "open-clip-zero-shot"]  # (a zero-shot head returns logits only)
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_dense_outputs_without_reduction_are_the_unpatched_models(family):
+    model = make(family)
+    x = images(2)
+    with torch.no_grad():
+        expected = tokens(family, model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "reduces no tokens"
+        ltmp.patch(model, "ltmp", merge_threshold=math.inf, prune_threshold=-math.inf, dense_output=True)
+    with torch.no_grad():
+        got = tokens(family, model, x)
+    assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("method,options", [ALL[0], FIXED[0], FIXED[1]], ids=["ltmp", "tome", "topk-prune"])
+@pytest.mark.parametrize("family", DENSE)
+def test_dense_outputs_are_the_same_in_train_and_eval_and_per_image(family, method, options):
+    """Each patch gets the feature of the token it went into (a pruned one its feature when pruned): the same in
+    train and eval mode, in a batch and alone, in the unpatched model's shape."""
+    model = ltmp.patch(make(family), method, **options, dense_output=True)
+    x = images(3)
+    with torch.no_grad():
+        model.eval()
+        ev = tokens(family, model, x)
+        rec = ltmp.stats(model)
+        singles = torch.cat([tokens(family, model, x[i : i + 1]) for i in range(3)])
+        model.train()
+        tr = tokens(family, model, x)
+    assert int(rec.merged.sum() + rec.pruned.sum()) > 0, "the test settings must reduce something"
+    assert ev.shape[1] == PREFIX[family] + 64 - (1 if family.startswith("open-clip") else 0)
+    assert torch.allclose(tr, ev, atol=1e-6, rtol=0), (tr - ev).abs().max()
+    assert torch.allclose(singles, ev, atol=1e-6, rtol=0), (singles - ev).abs().max()
+
+
+def test_hidden_states_are_every_layer_per_patch():
+    """transformers' output_hidden_states on a patched model: the embeddings and every layer per patch; with
+    nothing reduced, the unpatched model's."""
+    model = make("hf-vit")
+    x = images(2)
+    with torch.no_grad():
+        expected = model(x, output_hidden_states=True).hidden_states
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ltmp.patch(model, "ltmp", merge_threshold=math.inf, prune_threshold=-math.inf)
+    with torch.no_grad():
+        got = model(x, output_hidden_states=True).hidden_states
+    assert len(got) == len(expected) == 4
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-10, rtol=0), (g - e).abs().max()

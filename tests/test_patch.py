@@ -430,32 +430,6 @@ def test_forward_cut_needs_a_count_per_block():
         forward_cut(model, images(1), [10])
 
 
-def test_hooks_on_a_blocks_mlp_run_in_eval():
-    """In eval a block calls the parts of timm's Mlp itself (not its dropout); a hooked Mlp is called whole, on
-    the token rows of the batch (eval's layout: 2 images of 65 - 2 * 6 tokens after block 1)."""
-    model = patched("cls", "tome", dict(r=6)).eval()
-    seen = []
-    model.blocks[1].mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape))
-    with torch.no_grad():
-        model(images(2))
-    assert seen == [(2 * (65 - 2 * 6), 48)]
-
-
-def test_hooks_on_an_mlp_fc1_see_its_output_unchanged():
-    """In eval the MLP's GELU runs in place on fc1's output, unless something else sees that output: a hook on fc1
-    keeps what fc1 returned, and the logits are the same either way."""
-    model = patched("cls", "tome", dict(r=6)).eval()
-    x = images(2)
-    with torch.no_grad():
-        ref = model(x)
-    seen = []
-    model.blocks[1].mlp.fc1.register_forward_hook(lambda module, args, out: seen.append((out, out.clone())))
-    with torch.no_grad():
-        out = model(x)
-    assert len(seen) == 1 and torch.equal(seen[0][0], seen[0][1])
-    assert torch.equal(out, ref)
-
-
 def test_gelu_never_writes_over_the_residual_stream_when_fc1_returns_its_input():
     """A block whose MLP has no norm2 and an identity fc1 (say, after surgery) hands the GELU the residual stream
     itself: the in-place GELU must not run there. Same logits as the unpatched model with no reduction."""

@@ -93,12 +93,13 @@ def _check_rates(model, flag: str):
     does (:func:`ltmp.flops.schedule_counts`)."""
     from .config import METHODS
     from .flops import schedule_counts, vit_spec
+    from .patching import keeps_one
 
     cfg = model.ltmp_config
     n, per_token = vit_spec(model).num_patches, len(METHODS[cfg.method][0])
 
     def fits(r: int) -> bool:
-        return n - schedule_counts(cfg.method, [r], n, cfg.keep_one)[0] == r * per_token
+        return n - schedule_counts(cfg.method, [r], n, keeps_one(model))[0] == r * per_token
 
     for layer, r in enumerate(cfg.rate):
         if not fits(r):
@@ -223,6 +224,10 @@ def train_config(args):
     )
 
 
+#: ``ltmp train`` warns when training ends further than this from its r_target before the settle step.
+OFF_BUDGET = 0.05
+
+
 def cmd_train(args) -> int:
     from .train import train
 
@@ -232,6 +237,16 @@ def cmd_train(args) -> int:
         print(
             f"thresholds: {result['thresholds']}  (steps {result['steps']}, last batch r_FLOPs "
             f"{result['r_flops']:.3f}, target {cfg.r_target})"
+        )
+    if (
+        "settle" not in result
+        and result.get("r_flops") is not None
+        and abs(result["r_flops"] - cfg.r_target) > OFF_BUDGET
+    ):
+        print(
+            f"ltmp: warning: training ended at r_FLOPs {result['r_flops']:.3f} (last batch) for r_target "
+            f"{cfg.r_target}: train longer (--steps) or at another learning rate",
+            file=sys.stderr,
         )
     if "settle" in result:
         st = result["settle"]
@@ -243,6 +258,13 @@ def cmd_train(args) -> int:
                 else "within 0.01 of the target, kept"
             )
         )
+        if abs(st["r_flops_trained"] - cfg.r_target) > OFF_BUDGET:
+            print(
+                f"ltmp: warning: training ended at r_FLOPs {st['r_flops_trained']:.3f} for r_target {cfg.r_target}; "
+                f"the settle step's shift ({st['shift']:+.3f}), not training, met the budget: train longer (--steps) "
+                f"or at another learning rate",
+                file=sys.stderr,
+            )
         if not st["met"]:
             print(
                 f"ltmp: warning: no shared shift reaches r_target {cfg.r_target} on these images (closest "
@@ -1152,10 +1174,12 @@ def _interrupt(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not [a for a in argv if a != "--quiet"]:
-        argv = [*argv, "demo"]  # the demo is the default job
+    parser = build_parser()
+    if not [a for a in argv if a != "--quiet"]:  # bare `ltmp`: its usage (`ltmp demo` is the main job)
+        parser.print_help()
+        return 0
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or a bad option (its one line is printed): the exit code
         return e.code
     warnings.filterwarnings("ignore", message=".*TypedStorage.*")

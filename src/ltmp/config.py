@@ -29,6 +29,8 @@ MERGE_GRADS = ("average", "mask")
 #: How data folders map to a model's classes where they do not match its class names (``--labels``,
 #: ``ltmp.data.label_map``): by name, or the sorted folders as its classes 0, 1, ...
 LABELS = ("names", "order")
+#: A removed token's dense output (``ReduceConfig.dense_fill``).
+DENSE_FILLS = ("last", "zero")
 #: Training augmentations (``ltmp.data.transforms_for``).
 AUGMENTS = ("timm", "timm-random", "light", "none")
 #: Training recipes (``ltmp train --recipe``): the values a recipe gives the options not set on the command line
@@ -75,7 +77,6 @@ class ReduceConfig:
     tau: float = 0.1  # temperature of the sigmoid surrogate, eq. 2
     importance: str = "mean"  # "mean": mean column attention (eq. 17); "cls": class attention (eq. 16)
     num_prefix: int = 1  # prefix tokens (class, distillation, registers) at the front; never reduced
-    keep_one: bool = False  # pruning always leaves one patch token (models that pool patch tokens)
     rate: tuple[int, ...] | None = None  # fixed-rate methods: tokens per layer (r for ToMe, k for top-k)
     mask_grad: str = "secant"  # train mode: bounded form of eq. 6's gradient to removed keys' masks (ops.MASK_GRADS)
     merge_grad: str = "average"  # train mode: merge thresholds learn through the masks of eq. 5-7 and the merged
@@ -90,6 +91,8 @@ class ReduceConfig:
     #                                 ("positions", as eval), or A/B alternate over all positions and the tokens
     #                                 are reordered set A first, then set B, after every block ("reference")
     trace_source: bool = False  # carry a map of which patches each token covers (for viz)
+    dense_output: bool = False  # the family's token outputs per patch (B, N, C), as the unpatched model's
+    dense_fill: str = "last"  # a removed token's dense output: the feature it had when removed, or "zero"
     capture: list | None = None  # analysis: each decision appends its scores and candidates (a Captured)
     fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
     #                                         prunes these fractions of the block's candidates (ops.fit_threshold)

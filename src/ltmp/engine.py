@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from . import ops
 from .config import BlockView, ReduceConfig
-from .step import Layout, Plan, StepResult, TokenState, reduce_step
+from .errors import LtmpError
+from .step import Layout, Plan, StepResult, TokenState, Track, dense, reduce_step
 
 _EXPORTING = False  # set by :func:`exporting` while torch.export traces a patched model
 
@@ -55,13 +59,14 @@ def is_exporting() -> bool:
     return _EXPORTING or (_TORCH_IS_EXPORTING_EXACT and fn is not None and bool(fn()))
 
 
-def plan(cfg: ReduceConfig, training: bool, device: str) -> Plan:
-    """The forward's plan, from the mode, the method and the device type: read once, passed to every block."""
+def plan(cfg: ReduceConfig, training: bool, device: str, keep_one: bool) -> Plan:
+    """The forward's plan, from the mode, the method, the device type and whether the head reads the patch tokens
+    (``keep_one``): read once, passed to every block."""
     symbolic = is_exporting()
     tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()
     return Plan(train=training, static=not (training or cfg.learned), symbolic=symbolic,
-                compiling=tracing and not symbolic, tuning=TUNING.get(device, TUNING["default"]) if not tracing
-                else TUNING["default"])  # fmt: skip
+                compiling=tracing and not symbolic, keep_one=keep_one, tuning=TUNING.get(device, TUNING["default"])
+                if not tracing else TUNING["default"])  # fmt: skip
 
 
 #: Device-dependent speed choices (none changes results), with the measurement behind each. A device type not
@@ -200,36 +205,48 @@ def block(plan: Plan, view: BlockView, blk: nn.Module, x: Tensor, state: TokenSt
     return x + view.mlp(x), state, step
 
 
-def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:
+def encode(model: nn.Module, x: Tensor, taps: Sequence[int] = ()) -> tuple[Tensor, TokenState, dict[int, Tensor]]:
     """The blocks of a patched model with the reduction step in each, on embedded tokens; sets the record.
 
     Args:
         model: A patched model. x: (B, N, C) tokens entering the first block, prefix tokens first.
+        taps: blocks after which to return dense outputs (negative: from the end): each token of x with the
+            feature of the token it went into, or if removed the feature it had then (:class:`ltmp.step.Track`; 0
+            with ``dense_fill="zero"``).
 
     Returns:
         The tokens leaving the last block as a padded batch (B, N', C), before the final norm, and their state
         with padded (B, N') sizes and keep mask (0 at removed and padding tokens; None if neither exists), for the
-        family's head (``ltmp.adapters.mean_pool``, ``ltmp.adapters.pool_bias``).
+        family's head (``ltmp.adapters.mean_pool``, ``ltmp.adapters.pool_bias``); the dense outputs (B, N, C) after
+        the blocks ``taps``, by block index from 0, in block order.
     """
     cfg: ReduceConfig = model.ltmp_config
     adapter = type(model)._ltmp_adapter
+    blocks = adapter.blocks(model)
+    if any(model._ltmp_hooks):  # hooks inside the blocks (dicts of them, listed at patch time)
+        refuse_hooks(model, blocks)
     B, N, C = x.shape
-    p = plan(cfg, model.training, x.device.type)
+    p = plan(cfg, model.training, x.device.type, adapter.pools_patches(model) or cfg.num_prefix == 0)
     size = torch.ones(B, N, dtype=ops.wide(x.dtype), device=x.device)  # (B, N)
     source = torch.eye(N, dtype=size.dtype, device=x.device).expand(B, N, N) if cfg.trace_source else None
+    track = Track.start(x, cfg.dense_fill) if taps else None
     if p.train:
-        state = TokenState(size, Layout(B, N), source=source)
+        state = TokenState(size, Layout(B, N), source=source, track=track)
     else:  # rows (T, C)
         x = x.reshape(B * N, C)
-        state = TokenState(size.view(-1), Layout(B, N), source=None if source is None else source.reshape(B * N, N))
-    steps, padded, traced = [], [N], []
-    for i, blk in enumerate(adapter.blocks(model)):
+        source = None if source is None else source.reshape(B * N, N)
+        state = TokenState(size.view(-1), Layout(B, N), source=source, track=track)
+    run = partial(checkpoint, block, use_reentrant=False) if p.train and adapter.checkpointing(model) else block
+    steps, padded, traced, tapped = [], [N], [], {}
+    for i, blk in enumerate(blocks):
         rate = 0 if cfg.rate is None else cfg.rate[i]
-        x, state, step = block(p, adapter.view(model, blk), blk, x, state, cfg, i, rate)
+        x, state, step = run(p, adapter.view(model, blk), blk, x, state, cfg, i, rate)  # checkpoint: recomputed
         steps.append(step)
         padded.append(state.layout.length)
         if cfg.trace_source:
             traced.append(_padded(state, p))
+        if i in taps or i - len(blocks) in taps:
+            tapped[i] = dense(x, state.track).view(B, N, C)  # (B, N, C)
     out = _padded(state, p)
     x = x if p.train else state.layout.pad(x)  # (B, N', C)
     if not (p.symbolic or torch.jit.is_tracing()):  # exported graphs have no record (their counts are symbolic)
@@ -237,7 +254,26 @@ def encode(model: nn.Module, x: Tensor) -> tuple[Tensor, TokenState]:
                                    x.device, B, *(_traced(traced, cfg.num_prefix) if traced else ()))  # fmt: skip
         if p.train and steps[0].kept_frac.requires_grad:
             model.ltmp_record.counts()  # built now, with its gradients, whatever mode a first read is in
-    return x, out
+    return x, out, tapped
+
+
+def refuse_hooks(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
+    """A patched block runs as one reduction step, on packed rows in eval: hooks on it or inside it would never fire
+    or see other shapes than timm documents, so the forward refuses them (hooks on the model itself fire; the
+    family's own hooks, ``Adapter.library_hook``, are left alone)."""
+    adapter = type(model)._ltmp_adapter
+    for m in (m for b in blocks for m in b.modules()):
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+            if all(adapter.library_hook(h) for d in hooks for h in d.values()):
+                continue  # the family's own machinery (transformers' output recorders), replaced by the forward
+            name = next(f"blocks[{i}]" + (f".{n}" if n else "") for i, b in enumerate(blocks)
+                        for n, sub in b.named_modules() if sub is m)  # fmt: skip
+            raise LtmpError(
+                f"{name} has a hook, which a patched model would not run on its tokens (a block is one reduction "
+                f"step on packed rows); remove it, and read per-block outputs with forward_intermediates (dense), "
+                f"counts with ltmp.stats(model) or patch memberships with trace_source=True"
+            )
 
 
 def _traced(states: list[TokenState], num_prefix: int) -> tuple[list[Tensor], list[Tensor]]:

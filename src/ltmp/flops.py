@@ -46,7 +46,7 @@ class ViTSpec:
         return len(self.macs_attn_token)
 
 
-def vit_spec(model: nn.Module, count_norm: bool = True) -> ViTSpec:
+def vit_spec(model: nn.Module, count_norm: bool = True, image_size: tuple[int, int] | None = None) -> ViTSpec:
     """Per-token and per-pair multiply-accumulate counts of a supported ViT, in fvcore's convention.
 
     Linear layers count in*out MACs per token, the patch-embedding convolution its kernel MACs per patch, the two
@@ -56,6 +56,8 @@ def vit_spec(model: nn.Module, count_norm: bool = True) -> ViTSpec:
     Args:
         model: A supported ViT (patched or not).
         count_norm: Count LayerNorms (fvcore does; ``torch.utils.flop_counter`` does not).
+        image_size: (height, width) of the images: the patches they make. None: the patches of the last forward
+            of a patched model (timm ``dynamic_img_size`` runs at any size), else of the model's image size.
     """
     adapter = adapter_for(model)
     attn_token, mlp_token, pair = [], [], []
@@ -65,14 +67,19 @@ def vit_spec(model: nn.Module, count_norm: bool = True) -> ViTSpec:
         attn_token.append(a)
         mlp_token.append(m)
         pair.append(2.0 * view.heads * view.head_dim)
-    (gh, gw), _, _ = adapter.patch_grid(model)
+    (gh, gw), (ph, pw), _ = adapter.patch_grid(model)
+    n = gh * gw
+    if image_size is not None:
+        n = (image_size[0] // ph) * (image_size[1] // pw)
+    elif getattr(model, "ltmp_record", None) is not None:
+        n = model.ltmp_record.num_patches
     final, head = adapter.final_macs(model, count_norm)
     return ViTSpec(
-        num_patches=gh * gw,
+        num_patches=n,
         num_prefix=adapter.num_prefix(model),
         embed_dim=adapter.embed_dim(model),
         mlp_hidden=adapter.mlp_hidden(model),
-        macs_embed=adapter.embed_macs(model, count_norm),
+        macs_embed=adapter.embed_macs(model, count_norm, n),
         macs_attn_token=attn_token,
         macs_attn_pair=pair,
         macs_mlp_token=mlp_token,
@@ -175,7 +182,7 @@ def schedule_counts(method: str, schedule: Sequence[int], num_patches: int, keep
     """Patch tokens left after each block under a fixed-rate method's per-layer schedule.
 
     ToMe merges ``min(r, t // 2)`` (at most half the tokens are in set A); top-k pruning removes ``min(k, t)``
-    (``min(k, t - 1)`` for models that keep one patch token, see ``ReduceConfig.keep_one``); ``topk-mp`` merges,
+    (``min(k, t - 1)`` for models that keep one patch token, see ``ltmp.patching.keeps_one``); ``topk-mp`` merges,
     then prunes, ``k`` each.
     """
     ops_ = METHODS[method][0]

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from . import engine, ops
-from .adapters import Adapter, adapter_for
-from .config import MERGE_GRADS, METHODS, ReduceConfig
+from .adapters import ADAPTERS, Adapter, adapter_for
+from .config import DENSE_FILLS, MERGE_GRADS, METHODS, ReduceConfig
 from .errors import LtmpError
 
 THRESHOLD_NAMES = ("merge_threshold", "prune_threshold")
@@ -51,6 +51,8 @@ def patch(
     trace_source: bool = False,
     mask_grad: str = "secant",
     merge_grad: str = "average",
+    dense_output: bool = False,
+    dense_fill: str = "last",
 ) -> nn.Module:
     """Make a vision transformer reduce its tokens with LTMP or a fixed-rate baseline, in place.
 
@@ -77,6 +79,11 @@ def patch(
             ``"clamp"`` or ``"eps"`` (the reference code's); see ``ltmp.ops.MaskedSoftmax``.
         merge_grad: Train mode: merge thresholds learn through the attention masks and the merged averages
             (``"average"``) or through the masks only (``"mask"``, as the reference code).
+        dense_output: The family's token outputs are per patch, shaped as the unpatched model's (timm
+            ``forward_features``, transformers ``last_hidden_state`` and ``hidden_states``, OpenCLIP's
+            ``output_tokens``): each patch gets the feature of the token it was merged into, a pruned patch the
+            feature it had when pruned (``dense_fill="zero"``: 0). Logits and pooled outputs are unchanged.
+            ``forward_intermediates`` is always per patch.
 
     Returns:
         The same model object, patched. It returns what the unpatched model returns (logits for timm, the
@@ -92,6 +99,8 @@ def patch(
         raise LtmpError(f"unknown mask_grad '{mask_grad}'; choose one of: {', '.join(ops.MASK_GRADS)}")
     if merge_grad not in MERGE_GRADS:
         raise LtmpError(f"unknown merge_grad '{merge_grad}'; choose one of: {', '.join(MERGE_GRADS)}")
+    if dense_fill not in DENSE_FILLS:
+        raise LtmpError(f"unknown dense_fill '{dense_fill}'; choose one of: {', '.join(DENSE_FILLS)}")
     adapter = adapter_for(model, check=True)  # every check comes before the model changes
     blks = adapter.blocks(model)
     depth = len(blks)
@@ -104,6 +113,8 @@ def patch(
         trace_source=trace_source,
         mask_grad=mask_grad,
         merge_grad=merge_grad,
+        dense_output=bool(dense_output),
+        dense_fill=dense_fill,
     )
     if cfg.importance == "cls" and "prune" in cfg.ops and not adapter.has_class_token(model):
         raise LtmpError(
@@ -117,7 +128,6 @@ def patch(
         cfg.rate = _rate(r, depth, "r")
     else:
         cfg.rate = _rate(k, depth, "k")
-    cfg.keep_one = adapter.pools_patches(model) or cfg.num_prefix == 0
     unpatch(model)
 
     ref = next(model.parameters())
@@ -135,6 +145,12 @@ def patch(
                 setattr(blk, kind, nn.Parameter(v.to(ref.device)))
     model.ltmp_config = cfg
     model.ltmp_record = None
+    model._ltmp_hooks = [  # the hook dicts of every module in the blocks, which the forward refuses
+        d
+        for blk in blks
+        for m in blk.modules()
+        for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+    ]
     model._ltmp_hook = model.register_load_state_dict_post_hook(_allow_missing_thresholds)
     model.__class__ = _patched_class(type(model), adapter)
 
@@ -161,7 +177,7 @@ def unpatch(model: nn.Module) -> nn.Module:
             if name in blk._parameters:
                 del blk._parameters[name]
     model._ltmp_hook.remove()
-    for name in ("ltmp_config", "ltmp_record", "_ltmp_hook"):
+    for name in ("ltmp_config", "ltmp_record", "_ltmp_hook", "_ltmp_hooks"):
         delattr(model, name)
     model.__class__ = model.__class__._ltmp_base
     return model
@@ -183,10 +199,38 @@ def _patched_class(base: type, adapter: Adapter) -> type:
             "forward": engine.forward,
             "__module__": base.__module__,
             "__doc__": base.__doc__,
+            "__reduce_ex__": _reduce,
+            "__prepare_scriptable__": _refuse_script,
             **adapter.extra_methods(engine.encode),
         }
         _CLASSES[base] = type(f"LTMP{base.__name__}", (base,), body)
     return _CLASSES[base]
+
+
+def _reduce(model: nn.Module, protocol: int) -> tuple:
+    """Pickle (``torch.save(model)``, ``copy.deepcopy``) a patched model as its family's class and its state; it
+    loads back patched (:func:`_new_patched`)."""
+    cls = type(model)
+    return _new_patched, (cls._ltmp_base, cls._ltmp_adapter.family), model.__dict__
+
+
+def _new_patched(base: type, family: str) -> nn.Module:
+    """An empty patched model of class ``base`` (its state follows); see :func:`_reduce`."""
+    cls = _patched_class(base, next(a for a in ADAPTERS if a.family == family))
+    return cls.__new__(cls)
+
+
+def _refuse_script(model: nn.Module) -> None:
+    raise LtmpError(
+        "torch.jit.script cannot compile a patched model (its token counts depend on each image); export it with "
+        "`ltmp export` (ltmp.export.export_model: ONNX or torch.export), or compile it with torch.compile"
+    )
+
+
+def keeps_one(model: nn.Module) -> bool:
+    """Pruning leaves at least one patch token in every image: the head reads the patch tokens (mean or attention
+    pool, decided at each forward), or the model has no prefix token."""
+    return adapter_for(model).pools_patches(model) or model.ltmp_config.num_prefix == 0
 
 
 def score_ranges(model: nn.Module) -> dict[str, tuple[float, float]]:

@@ -36,6 +36,7 @@ class Plan:
     static: bool  # fixed rates in eval: every count follows from the shapes (no host read)
     symbolic: bool  # torch.export: token counts are symbolic, so no Python branch may read them
     compiling: bool  # torch.compile: a batch keeps its padding even where every image keeps the same count
+    keep_one: bool  # pruning always leaves one patch token (the head reads the patch tokens, or there is no other)
     tuning: dict  # the device's speed choices (``ltmp.engine.TUNING``; the default while tracing)
 
 
@@ -71,6 +72,41 @@ class TokenState:
     keep: Tensor | None = None  # train mode: (B, N) straight-through mask (eq. 3); eval: None (every row survives)
     source: Tensor | None = None  # patches covered by each token, (B, N, N0) or (T, N0), if traced
     merged_once: bool = False  # sizes may differ from 1 (proportional attention needed)
+    track: Track | None = None  # where each token of the first block went, for dense outputs
+
+
+class Track(NamedTuple):
+    """Dense outputs: where each of the B * N0 tokens that entered the first block went (:func:`follow`)."""
+
+    at: Tensor  # (B * N0,) the row (eval) or flat position b * N + j (train) of the token it is part of; -1 removed
+    last: Tensor | None  # (B * N0, C) the feature it had when its token was removed (0 before); None: fill 0
+
+    @staticmethod
+    def start(x: Tensor, fill: str) -> Track:
+        """Every token of x (B, N0, C) in its own row, nothing removed (``fill``: ``ReduceConfig.dense_fill``)."""
+        B, N, C = x.shape
+        return Track(torch.arange(B * N, device=x.device), None if fill == "zero" else x.new_zeros(B * N, C))
+
+
+def follow(track: Track, x: Tensor, to: Tensor) -> Track:
+    """Dense outputs: the track after a step that moved the rows of x (M, C) to rows ``to`` (M,) (-1: removed).
+    A token removed here leaves in ``last`` the feature it had entering the step."""
+    at = track.at.clamp(min=0)  # (B * N0,)
+    new = torch.where(track.at >= 0, to[at], -1)  # (B * N0,)
+    last = track.last
+    if last is not None:
+        gone = (track.at >= 0) & (new < 0)  # (B * N0,)
+        last = torch.where(gone[:, None], x[at].to(last.dtype), last)  # (B * N0, C)
+    return Track(new, last)
+
+
+def dense(x: Tensor, track: Track) -> Tensor:
+    """Each token that entered the first block, with the feature of the token it is now part of (removed ones:
+    ``track.last``): the rows (T, C) or tokens (B, N, C) of x as (B * N0, C)."""
+    rows = x.reshape(-1, x.shape[-1])  # (T, C) or (B * N, C)
+    kept = rows[track.at.clamp(min=0)]  # (B * N0, C)
+    fill = kept.new_zeros(()) if track.last is None else track.last.to(kept.dtype)
+    return torch.where((track.at >= 0)[:, None], kept, fill)  # (B * N0, C)
 
 
 class Captured(NamedTuple):
@@ -168,14 +204,14 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
         rank = ops.rank(torch.where(cand, importance, float("inf")), largest=False)  # (B, N)
         if plan.static:  # k is at most the candidates: the others rank after them
             return rank < rate, cand, None
-        drop = rank < (cand.sum(1, keepdim=True) - int(cfg.keep_one)).clamp(0, rate)  # (B, N)
+        drop = rank < (cand.sum(1, keepdim=True) - int(plan.keep_one)).clamp(0, rate)  # (B, N)
         return drop, cand, (~drop).to(importance.dtype)
     if cfg.fit is not None:
         ops.fit_threshold(threshold, importance[cand], cfg.fit[1], largest=False)
     kept = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) eq. 1-2
     soft = None if kept.dtype == torch.bool else kept
     drop = cand & ~(kept if soft is None else kept.detach() > 0.5)  # (B, N)
-    if cfg.keep_one:  # never prune an image's last patch token: spare its most important one
+    if plan.keep_one:  # never prune an image's last patch token: spare its most important one
         top = importance.detach().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
         everything = drop.sum(1, keepdim=True) == cand.sum(1, keepdim=True)  # (B, 1)
         spare = torch.zeros_like(cand).scatter_(1, top, True) & everything & drop  # (B, N)
@@ -184,11 +220,11 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
     return drop, cand, soft
 
 
-def static_counts(cfg: ReduceConfig, n: int, rate: int) -> tuple[int, int]:
+def static_counts(cfg: ReduceConfig, n: int, rate: int, keep_one: bool) -> tuple[int, int]:
     """The tokens a fixed rate merges and prunes in every image, from the ``n`` entering (eval: static shapes)."""
     n_merged = tome_k(rate, n, cfg.set_starts) if "merge" in cfg.ops else 0
     n_cand = n - n_merged - cfg.num_prefix
-    n_pruned = min(rate, n_cand) - int(cfg.keep_one and 0 < n_cand <= rate) if "prune" in cfg.ops else 0
+    n_pruned = min(rate, n_cand) - int(keep_one and 0 < n_cand <= rate) if "prune" in cfg.ops else 0
     return n_merged, n_pruned
 
 
@@ -216,7 +252,9 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
     else:
         alive = L.real
     in_order = not plan.train or cfg.train_order == "reference"  # (reference order: A/B over all positions)
-    static = static_counts(cfg, N, rate) if plan.static else None  # fixed rates in eval: the exact counts
+    static = (
+        static_counts(cfg, N, rate, plan.keep_one) if plan.static else None
+    )  # fixed rates in eval: the exact counts
     decisions = []
     for op in cfg.ops:
         if op == "merge":
@@ -237,10 +275,12 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
             decisions.append((drop, cand, soft))
     if not plan.train:
         return _apply_rows(x, state, cfg, plan, decisions, alive, static)
-    x, state, result = _apply_masks(x, state, cfg, decisions)
+    out, state, result = _apply_masks(x, state, cfg, decisions)  # (B, N, C)
+    if state.track is not None:  # dense outputs: where each token of x went
+        state = _follow_masks(x, state, decisions)
     if cfg.train_order == "reference" and "merge" in cfg.ops:
-        x, state = _reorder(x, state, cfg)
-    return x, state, result
+        out, state = _reorder(out, state, cfg)
+    return out, state, result
 
 
 def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: list) -> tuple:
@@ -307,7 +347,25 @@ def _reorder(x: Tensor, state: TokenState, cfg: ReduceConfig) -> tuple[Tensor, T
     def put(t: Tensor | None) -> Tensor | None:
         return None if t is None else t[:, order]
 
-    return put(x), dataclasses.replace(state, size=put(state.size), keep=put(state.keep), source=put(state.source))
+    track = state.track
+    if track is not None:  # flat positions b * N + j -> b * N + (j's new position)
+        N, at = x.shape[1], track.at.clamp(min=0)  # (B * N0,)
+        track = Track(torch.where(track.at >= 0, at - at % N + order.argsort()[at % N], -1), track.last)
+    return put(x), dataclasses.replace(state, size=put(state.size), keep=put(state.keep), source=put(state.source),
+                                       track=track)  # fmt: skip
+
+
+def _follow_masks(x: Tensor, state: TokenState, decisions: list) -> TokenState:
+    """Train mode's dense-output track after a step on x (B, N, C) (the tokens entering it): each position's token
+    is now its own, or its merge target's, if that is kept."""
+    B, N, _ = x.shape
+    target = torch.arange(N, device=x.device).expand(B, N)  # (B, N)
+    for m in decisions:
+        if isinstance(m, Merge):
+            target = target.scatter(1, m.src, torch.where(m.hard, m.dst, m.src))  # (B, N)
+    kept = (state.keep > 0.5).gather(1, target)  # (B, N)
+    to = torch.where(kept, target + torch.arange(B, device=x.device)[:, None] * N, -1)  # (B, N) flat, -1 removed
+    return dataclasses.replace(state, track=follow(state.track, x.reshape(B * N, -1), to.view(-1)))
 
 
 def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, decisions: list, alive: Tensor,
@@ -340,10 +398,11 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
         at = slot.view(B, N)
         at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill(merge.stays, 0))
     T_new = B * n_new if counts is None else sum(counts)
+    track = None if state.track is None else follow(state.track, x, L.take(slot) - 1)  # rows from 0 (-1: cut)
     x, size, source = ops.merge_rows(x, state.size, L.take(slot), T_new + 1, state.source)
     if counts is None or B == 1 or (not plan.compiling and all(c == n_new for c in counts)):
         layout = Layout(B, n_new)
     else:  # (under torch.compile a padded layout always: a check of equal counts would guard on the counts)
         layout = Layout(B, n_new, torch.arange(n_new, device=x.device) < count_t[:, None], counts)
     merged_once = state.merged_once or merge is not None
-    return x[1:], TokenState(size[1:], layout, None, None if source is None else source[1:], merged_once), result
+    return x[1:], TokenState(size[1:], layout, None, None if source is None else source[1:], merged_once, track), result

@@ -31,7 +31,7 @@ from .config import CHOICES, LEARNED
 from .errors import LtmpError
 from .evaluate import evaluate
 from .flops import budget_loss_value, vit_spec
-from .patching import THRESHOLD_NAMES, blocks, patch, score_ranges
+from .patching import THRESHOLD_NAMES, blocks, keeps_one, patch, score_ranges
 from .record import mean_r_flops, r_flops, stats
 from .runtime import (
     amp_context,
@@ -527,6 +527,7 @@ def _train(
             cfg.batch_size,
         )
         threshold_training_mode(model)
+    given = {"lr_merge": cfg.lr_merge, "lr_prune": cfg.lr_prune}  # (the rest scale with --steps)
     cfg = resolve(cfg, steps, spreads)
     start, carry, opt_state = 0, {"mu": 0.0, "shift_step": 0.0}, {}
     if cfg.calibrate and not (resume and ckpt_path.exists()):
@@ -647,6 +648,8 @@ def _train(
                 if cfg.budget == "constraint":
                     loss = loss + carry["mu"] * (r - cfg.r_target)
                 scaler.scale(loss).backward()
+                if step == 0 and cfg.optimizer == "sgd":
+                    check_first_step(model, cfg, steps, given, scaler.get_scale() if scaler.is_enabled() else 1.0)
                 scaler.step(opt)
                 scaler.update()
                 project_thresholds(model, merge_p, prune_p, cfg.clamp)
@@ -874,6 +877,35 @@ def meet_budget(
 
 
 @torch.no_grad()
+def check_first_step(model: nn.Module, cfg: TrainConfig, steps: int, given: dict, scale: float) -> None:
+    """SGD: refuse a learning rate whose first step would move a threshold by more than the whole range of its
+    scores (``score_ranges``): every score would then fall on one side, the surrogate gradient (eq. 2) vanish, and
+    the run would train nothing. Its gradients are those of the first batch (``scale``: the AMP loss scale)."""
+    names = [n for n, p in model.named_parameters() if n.endswith(THRESHOLD_NAMES) and p.grad is not None]
+    if not names:
+        return
+    params = dict(model.named_parameters())
+    grads = torch.stack([params[n].grad.detach().abs().float().reshape(()) for n in names]).tolist()
+    ranges = score_ranges(model)
+    for name, grad in zip(names, grads):
+        kind = "merge_threshold" if name.endswith("merge_threshold") else "prune_threshold"
+        lr, flag, (low, high) = getattr(cfg, "lr_" + kind[:5]), "--lr-" + kind[:5], ranges[kind]
+        move = lr * grad / scale
+        if move > high - low:
+            if given["lr_" + kind[:5]] is not None:
+                why = f"give a smaller {flag} than {lr:.3g}"
+            else:
+                need = math.ceil(steps * move / (high - low))  # the rate falls as 1 / steps
+                why = (
+                    f"--steps {steps} scales the paper's learning rate by {PAPER_STEPS}/{steps} to {lr:.3g}; give "
+                    f"--steps {need} or more, or a smaller {flag}"
+                )
+            raise TrainError(
+                f"the first step would move {name} by {move:.3g}, more than its scores' whole range "
+                f"[{low:g}, {high:g}], and training would learn nothing: {why}"
+            )
+
+
 def project_thresholds(
     model: nn.Module, merge: list[nn.Parameter], prune: list[nn.Parameter], clamp: str = "scores"
 ) -> None:
@@ -901,7 +933,7 @@ def _collapse_check(model: nn.Module, ddp: Dist, runs: list[int] | None) -> list
     model whose head reads only its prefix tokens (``keep_one`` False) may remove every patch token: nothing
     after it reads them, so that costs no accuracy."""
     rec = stats(model)
-    keep_one = model.ltmp_config.keep_one
+    keep_one = keeps_one(model)
     alive = (rec.kept.amax(0) > int(keep_one)).to(torch.int32)  # (L,) on this rank
     if not keep_one:
         alive[-1] = 1

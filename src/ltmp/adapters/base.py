@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from .. import ops
 from ..config import BlockView, identity
 
-__all__ = ["Adapter", "BlockView", "identity", "mean_pool", "pool_bias", "linear_macs", "conv_macs", "norm_macs"]
+__all__ = ["Adapter", "BlockView", "identity", "mean_pool", "pool_bias", "zero_padding", "linear_macs", "conv_macs",
+           "norm_macs"]  # fmt: skip
 
 
 def linear_macs(*mods: nn.Module | None) -> float:
@@ -102,8 +103,8 @@ class Adapter:
         """Per-token MACs of a block's attention branch (norm, projections) and MLP branch (norm, MLP)."""
         raise NotImplementedError
 
-    def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
-        """MACs of the embedding (the patch convolution and any norm) per image."""
+    def embed_macs(self, model: nn.Module, count_norm: bool, n: int) -> float:
+        """MACs of the embedding (the patch convolution and any norm) per image of ``n`` patches."""
         raise NotImplementedError
 
     def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
@@ -111,9 +112,20 @@ class Adapter:
         head."""
         raise NotImplementedError
 
+    def library_hook(self, hook: Callable) -> bool:
+        """A module hook that the family's library installs itself (transformers records hidden states with
+        hooks on its layers), which the patched forward replaces: the forward does not refuse it."""
+        return False
+
+    def checkpointing(self, model: nn.Module) -> bool:
+        """The model asks for gradient checkpointing (timm ``set_grad_checkpointing``, transformers
+        ``gradient_checkpointing_enable``): train mode recomputes each block in the backward."""
+        return False
+
     def forward(self, model: nn.Module, encode: Callable, *args: Any, **kwargs: Any) -> Any:
-        """The family's forward with ``encode(model, tokens)`` (``ltmp.engine.encode``: the blocks with the reduction
-        step, returning the tokens leaving them and their state) in place of its blocks."""
+        """The family's forward with ``encode(model, tokens, taps)`` (``ltmp.engine.encode``: the blocks with the
+        reduction step, returning the tokens leaving them, their state and the dense outputs after the blocks
+        ``taps``) in place of its blocks."""
         raise NotImplementedError
 
     def extra_methods(self, encode: Callable) -> dict[str, Callable]:
@@ -128,6 +140,22 @@ def mean_pool(x: Tensor, state, skip: int) -> Tensor:
     w = state.size if state.keep is None else state.size * (state.keep > 0.5)  # (B, N)
     w = w[:, skip:]
     return (x[:, skip:] * w[..., None].to(x.dtype)).sum(1) / w.sum(1, keepdim=True).to(x.dtype)  # (B, C)
+
+
+def zero_padding(x: Tensor, state) -> Tensor:
+    """(B, N, C) tokens of an eval batch with the rows past each image's last token (padding up to the longest
+    image) set to 0, as a norm after the blocks made them nonzero; train-mode tokens unchanged."""
+    real = state.layout.real  # (B, N) or None
+    return x if real is None else x * real[..., None].to(x.dtype)
+
+
+def last_tap(model: nn.Module, encode: Callable, x: Tensor) -> tuple[Tensor, Any, Tensor | None]:
+    """``encode(model, x)``, with the dense output after the last block when the model was patched with
+    ``dense_output=True``: (tokens (B, N', C), state, dense tokens (B, N, C) or None)."""
+    if not model.ltmp_config.dense_output:
+        return (*encode(model, x)[:2], None)
+    x, state, dense = encode(model, x, (-1,))
+    return x, state, *dense.values()
 
 
 def pool_bias(state, dtype: torch.dtype) -> Tensor | None:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from .base import Adapter, BlockView, conv_macs, identity, linear_macs, mean_pool, norm_macs, pool_bias
+from .base import Adapter, BlockView, conv_macs, identity, linear_macs, mean_pool, norm_macs, pool_bias, zero_padding
 
 #: class name -> the head on top of the backbone ("" for a backbone itself)
 HEADS = {
@@ -132,12 +132,11 @@ class HFAdapter(Adapter):
             norm_macs(norm2, blk.mlp, count=count_norm) + linear_macs(blk.mlp),
         )
 
-    def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
+    def embed_macs(self, model: nn.Module, count_norm: bool, n: int) -> float:
         emb = backbone(model).embeddings
         conv = getattr(emb, "patch_embedding", None) or emb.patch_embeddings.projection
-        (gh, gw), _, _ = self.patch_grid(model)
         pre = norm_macs(getattr(backbone(model), "pre_layrnorm", None), count=count_norm)  # CLIP: every token
-        return gh * gw * conv_macs(conv) + (gh * gw + self.num_prefix(model)) * pre
+        return n * conv_macs(conv) + (n + self.num_prefix(model)) * pre
 
     def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
         bb = backbone(model)
@@ -159,6 +158,12 @@ class HFAdapter(Adapter):
             final += 2.0 * C * C + 2.0 * C
             head += C * C + linear_macs(pool) + norm_macs(pool, count=count_norm)
         return final, head
+
+    def library_hook(self, hook) -> bool:
+        return getattr(hook, "__module__", "").startswith("transformers.")
+
+    def checkpointing(self, model: nn.Module) -> bool:
+        return any(getattr(layer, "gradient_checkpointing", False) for layer in self.blocks(model))
 
     def forward(
         self,
@@ -187,12 +192,13 @@ class HFAdapter(Adapter):
     ):
         from transformers.modeling_outputs import ImageClassifierOutput
 
-        for flag in ("output_attentions", "output_hidden_states"):
-            if kwargs.pop(flag, None) or getattr(model.config, flag, False):
-                raise LtmpError(
-                    f"{flag}=True is not available on a model patched by ltmp (the token count changes "
-                    f"between layers); read ltmp.stats(model) for what each block kept"
-                )
+        if kwargs.pop("output_attentions", None) or getattr(model.config, "output_attentions", False):
+            raise LtmpError(
+                "output_attentions=True is not available on a model patched by ltmp (the token count changes "
+                "between layers); read ltmp.stats(model) for what each block kept"
+            )
+        hidden = kwargs.pop("output_hidden_states", None)
+        hidden = getattr(model.config, "output_hidden_states", False) if hidden is None else hidden
         if pixel_values is None or attention_mask is not None:
             raise LtmpError("a model patched by ltmp needs pixel_values and no attention_mask")
         bb, kind = backbone(model), HEADS[_name(model)]
@@ -205,47 +211,60 @@ class HFAdapter(Adapter):
             emb_kw["interpolate_pos_encoding"] = interpolate_pos_encoding
         pixel_values = pixel_values.to(next(bb.embeddings.parameters()).dtype)
         x = bb.embeddings(pixel_values, **emb_kw)  # (B, N, C)
-        x = _first(bb, ("pre_layrnorm",), identity)(x)
-        x, state = encode(model, x)  # (B, N', C)
-        out = _backbone_output(bb, x, state)
+        x = x_in = _first(bb, ("pre_layrnorm",), identity)(x)
+        depth = len(self.blocks(model))
+        taps = range(depth) if hidden else (-1,) if model.ltmp_config.dense_output else ()
+        x, state, dense = encode(model, x, taps)  # (B, N', C), block -> (B, N, C)
+        out, seq = _backbone_output(bb, x, state, dense[depth - 1] if model.ltmp_config.dense_output else None)
+        if hidden:  # every layer per patch (dense outputs), as the unpatched model's
+            out.hidden_states = (x_in, *dense.values())
         if not kind:
             return out
-        seq = out.last_hidden_state
         if kind == "projection":
             from transformers.models.clip.modeling_clip import CLIPVisionModelOutput
 
-            return CLIPVisionModelOutput(image_embeds=model.visual_projection(out.pooler_output), last_hidden_state=seq)
+            return CLIPVisionModelOutput(
+                image_embeds=model.visual_projection(out.pooler_output),
+                last_hidden_state=out.last_hidden_state,
+                hidden_states=out.hidden_states,
+            )
         if kind == "teacher":
             from transformers.models.deit.modeling_deit import DeiTForImageClassificationWithTeacherOutput
 
             cls_logits, dist_logits = model.cls_classifier(seq[:, 0]), model.distillation_classifier(seq[:, 1])
             return DeiTForImageClassificationWithTeacherOutput(
-                logits=(cls_logits + dist_logits) / 2, cls_logits=cls_logits, distillation_logits=dist_logits
+                logits=(cls_logits + dist_logits) / 2,
+                cls_logits=cls_logits,
+                distillation_logits=dist_logits,
+                hidden_states=out.hidden_states,
             )
         if kind == "dinov2":  # class token beside the size-weighted mean of the surviving patch tokens
             logits = model.classifier(torch.cat([seq[:, 0], mean_pool(seq, state, self.num_prefix(model))], 1))
         else:
             logits = model.classifier(seq[:, 0])
         loss = None if labels is None else model.loss_function(labels, logits, model.config, **kwargs)
-        return ImageClassifierOutput(loss=loss, logits=logits)
+        return ImageClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
 
-def _backbone_output(bb: nn.Module, x: Tensor, state):
-    """The backbone's own output object from the tokens leaving the last block."""
+def _backbone_output(bb: nn.Module, x: Tensor, state, dense: Tensor | None):
+    """The backbone's own output object from the tokens leaving the last block (B, N', C), and those tokens after
+    the final norm, for the heads. Its ``last_hidden_state`` is the normed tokens, padding rows 0, or the normed
+    ``dense`` outputs (B, N, C) when given."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     name = _name(bb)
-    if name == "CLIPVisionModel":  # the final norm on the class token only
-        return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=bb.post_layernorm(x[:, 0]))
-    if name == "SiglipVisionModel":
-        seq = bb.post_layernorm(x)  # (B, N, C)
+    norm = bb.post_layernorm if name == "SiglipVisionModel" else _first(bb, ("layernorm",), identity)
+    seq = norm(x)  # (B, N', C); CLIP's final norm is on the class token only
+    last = zero_padding(seq, state) if dense is None else norm(dense)
+    if name == "CLIPVisionModel":
+        pooled = bb.post_layernorm(x[:, 0])
+    elif name == "SiglipVisionModel":
         pooled = siglip_pool(bb.head, seq, pool_bias(state, seq.dtype)) if bb.use_head else None
-        return BaseModelOutputWithPooling(last_hidden_state=seq, pooler_output=pooled)
-    seq = bb.layernorm(x)  # (B, N, C)
-    if name.startswith("Dinov2"):
-        return BaseModelOutputWithPooling(last_hidden_state=seq, pooler_output=seq[:, 0])
-    pooler = getattr(bb, "pooler", None)
-    return BaseModelOutputWithPooling(last_hidden_state=seq, pooler_output=None if pooler is None else pooler(seq))
+    elif name.startswith("Dinov2"):
+        pooled = seq[:, 0]
+    else:
+        pooled = None if getattr(bb, "pooler", None) is None else bb.pooler(seq)
+    return BaseModelOutputWithPooling(last_hidden_state=last, pooler_output=pooled), seq
 
 
 def siglip_pool(head: nn.Module, seq: Tensor, bias: Tensor | None) -> Tensor:

@@ -3,8 +3,9 @@ that knows it.
 
 Patch the tower, ``ltmp.patch(model.visual, ...)``; ``model.encode_image`` then runs the reduced tower. Supports
 ``ResidualAttentionBlock`` (``nn.MultiheadAttention``, layer scale) with ``'tok'`` or ``'avg'`` pooling, with the
-final norm before or after pooling. With ``output_tokens=True`` the returned tokens are the survivors (padded in an
-eval batch; ``ltmp.stats`` says how many each image kept). :class:`ZeroShotClassifier` turns a tower and class names
+final norm before or after pooling. With ``output_tokens=True`` the returned tokens are the survivors, zero-padded
+to the batch's longest image (``ltmp.stats`` says how many each image kept), or one per patch with
+``patch(..., dense_output=True)``. :class:`ZeroShotClassifier` turns a tower and class names
 into a classifier (CLIP's zero-shot prompts), which ``ltmp train`` and ``ltmp eval`` need.
 """
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import UnsupportedModelError
-from .base import Adapter, BlockView, conv_macs, linear_macs, mean_pool, norm_macs
+from .base import Adapter, BlockView, conv_macs, identity, last_tap, linear_macs, mean_pool, norm_macs, zero_padding
 
 SUPPORTED = (
     "open_clip VisionTransformer (the visual tower: patch model.visual) with ResidualAttentionBlock and "
@@ -145,10 +146,9 @@ class OpenClipAdapter(Adapter):
             norm_macs(blk.ln_2, count=count_norm) + linear_macs(blk.mlp),
         )
 
-    def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
+    def embed_macs(self, model: nn.Module, count_norm: bool, n: int) -> float:
         tower = _tower(model)
-        (gh, gw), _, _ = self.patch_grid(tower)
-        return gh * gw * conv_macs(tower.conv1) + (gh * gw + 1) * norm_macs(tower.ln_pre, count=count_norm)
+        return n * conv_macs(tower.conv1) + (n + 1) * norm_macs(tower.ln_pre, count=count_norm)
 
     def final_macs(self, model: nn.Module, count_norm: bool) -> tuple[float, float]:
         tower = _tower(model)
@@ -158,11 +158,14 @@ class OpenClipAdapter(Adapter):
             proj += float(model.class_embeddings.numel())
         return (0.0, post + proj) if tower.final_ln_after_pool else (post, proj)
 
+    def checkpointing(self, model: nn.Module) -> bool:
+        return bool(getattr(_tower(model).transformer, "grad_checkpointing", False))
+
     def forward(self, model: nn.Module, encode, x: Tensor):
         tower = _tower(model)
-        x, state = encode(model, tower._embeds(x))  # (B, N, C)
-        if not tower.final_ln_after_pool:
-            x = tower.ln_post(x)
+        x, state, dense = last_tap(model, encode, tower._embeds(x))  # (B, N', C), (B, N, C) or None
+        norm = identity if tower.final_ln_after_pool else tower.ln_post
+        x = norm(x)
         pooled = x[:, 0] if tower.pool_type == "tok" else mean_pool(x, state, 1)  # (B, C)
         if tower.final_ln_after_pool:
             pooled = tower.ln_post(pooled)
@@ -170,7 +173,10 @@ class OpenClipAdapter(Adapter):
             pooled = pooled @ tower.proj  # (B, output_dim)
         if model is not tower:
             return model.head(pooled)  # (B, K)
-        return (pooled, x[:, 1:]) if tower.output_tokens else pooled
+        if not tower.output_tokens:
+            return pooled
+        tokens = zero_padding(x, state) if dense is None else norm(dense)  # survivors, or per patch
+        return pooled, tokens[:, 1:]
 
 
 OPEN_CLIP = OpenClipAdapter()

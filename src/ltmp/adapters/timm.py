@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LtmpError, UnsupportedModelError
-from .base import Adapter, BlockView, conv_macs, linear_macs, mean_pool, norm_macs, pool_bias
+from .base import Adapter, BlockView, conv_macs, last_tap, linear_macs, mean_pool, norm_macs, pool_bias, zero_padding
 
 SUPPORTED = (
     "timm VisionTransformer models with standard Block/Attention and 'token', 'avg' or 'map' pooling "
@@ -106,9 +106,8 @@ class TimmAdapter(Adapter):
         attn = norm_macs(blk.norm1, getattr(a, "norm", None), count=count_norm) + linear_macs(a) + heads_norm
         return attn, norm_macs(blk.norm2, blk.mlp, count=count_norm) + linear_macs(blk.mlp)
 
-    def embed_macs(self, model: nn.Module, count_norm: bool) -> float:
+    def embed_macs(self, model: nn.Module, count_norm: bool, n: int) -> float:
         pe = model.patch_embed
-        n = pe.num_patches
         pre = norm_macs(model.norm_pre, count=count_norm)  # every token, prefix included (CLIP-style models)
         return n * (conv_macs(pe.proj) + norm_macs(pe, count=count_norm)) + (n + self.num_prefix(model)) * pre
 
@@ -123,8 +122,11 @@ class TimmAdapter(Adapter):
             head += linear_macs(pool.q, pool.proj, pool.mlp) + norm_macs(pool.norm, pool.mlp, count=count_norm)
         return final, head
 
+    def checkpointing(self, model: nn.Module) -> bool:
+        return bool(getattr(model, "grad_checkpointing", False))
+
     def forward(self, model: nn.Module, encode, x: Tensor) -> Tensor:
-        x, state = encode(model, _embed(model, x))  # (B, N', C)
+        x, state, _ = encode(model, _embed(model, x))  # (B, N', C)
         return self.head(model, model.norm(x), state)
 
     def head(self, model: nn.Module, x: Tensor, state) -> Tensor:
@@ -144,9 +146,49 @@ class TimmAdapter(Adapter):
 
     def extra_methods(self, encode) -> dict:
         def forward_features(model, x: Tensor) -> Tensor:
-            return model.norm(encode(model, _embed(model, x))[0])
+            """The normed tokens leaving the last block: the survivors (B, N', C), padding rows 0, or with
+            ``dense_output`` per patch (B, N, C) as the unpatched model's."""
+            x, state, dense = last_tap(model, encode, _embed(model, x))
+            return model.norm(dense) if dense is not None else zero_padding(model.norm(x), state)
 
-        return {"forward_features": forward_features}
+        def forward_intermediates(model, x: Tensor, indices: int | Sequence[int] | None = None,
+                                  return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
+                                  output_fmt: str = "NCHW", intermediates_only: bool = False,
+                                  output_dict: bool = False, attn_mask: Tensor | None = None,
+                                  is_causal: bool = False):  # fmt: skip
+            """timm's ``forward_intermediates`` on the reduced forward, per patch: each block's output (and the
+            final features) as dense outputs (``ltmp.patch``'s ``dense_output``), so that every output has the
+            unpatched model's shape. The reduction runs every block (``stop_early`` changes nothing)."""
+            if attn_mask is not None or is_causal:
+                raise LtmpError("a model patched by ltmp takes no attn_mask and is not causal")
+            if output_fmt not in ("NCHW", "NLC"):
+                raise LtmpError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+            depth, (height, width) = len(model.blocks), x.shape[-2:]
+            if indices is None:  # every block, the last n, or the ones named (negative: from the end)
+                take = list(range(depth))
+            elif isinstance(indices, int):
+                take = list(range(depth - indices, depth))
+            else:
+                take = [i % depth for i in indices]
+            _, _, dense = encode(model, _embed(model, x), (*take, -1))  # block -> (B, N, C), in block order
+            final, p = model.norm(dense[depth - 1]), model.num_prefix_tokens
+            inter = [model.norm(y) if norm else y for i, y in dense.items() if i in take]  # (B, N, C) each
+            prefix, inter = [y[:, :p] for y in inter], [y[:, p:] for y in inter]
+            if output_fmt == "NCHW":
+                h, w = model.patch_embed.dynamic_feat_size((height, width))
+                inter = [y.reshape(y.shape[0], h, w, -1).permute(0, 3, 1, 2).contiguous() for y in inter]
+            if output_dict:
+                out = {"image_intermediates": inter}
+                if p and return_prefix_tokens:
+                    out["image_intermediates_prefix"] = prefix
+                if not intermediates_only:
+                    out["image_features"] = final
+                return out
+            if p and return_prefix_tokens:
+                inter = list(zip(inter, prefix))
+            return inter if intermediates_only else (final, inter)
+
+        return {"forward_features": forward_features, "forward_intermediates": forward_intermediates}
 
 
 def _embed(model: nn.Module, x: Tensor) -> Tensor:
