@@ -53,6 +53,7 @@ def models_for(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
         return dense, load_images(dense, "train", 64), load_images(dense, "test", 64)
     torch.manual_seed(0)
     dense = timm.create_model("vit_small_patch14_dinov2", img_size=224, reg_tokens=4, pretrained=False).eval()
+    dense.pretrained_cfg = {**dense.pretrained_cfg, "input_size": (3, 224, 224), "crop_pct": 1.0}  # (its 518)
     return dense, load_images(dense, "train", 32), load_images(dense, "test", 32)
 
 

@@ -299,6 +299,11 @@ ROWS = {
         "merge_threshold of block 1 is inf (not finite); the model's float32 thresholds cannot hold it",
         False,
     ),
+    "train --steps 1 at the paper's learning rate scaled to it": (
+        f"{TRAIN} --optimizer sgd --steps 1 --output {{tmp}}/fast",
+        "and training would learn nothing: --steps 1 scales the paper's learning rate by",
+        False,
+    ),
     # tracebacks before
     "pretrain into a folder whose log is not its JSON": (
         "pretrain --data-dir {data} --val-split val --epochs 1 --batch-size 8 --workers 0 --output {tmp}/pt",

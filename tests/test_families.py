@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 import warnings
 
 import pytest
@@ -479,3 +480,18 @@ def test_hidden_states_are_every_layer_per_patch():
     assert len(got) == len(expected) == 4
     for g, e in zip(got, expected):
         assert torch.allclose(g, e, atol=1e-10, rtol=0), (g - e).abs().max()
+
+
+def test_hooks_in_blocks_are_refused_and_a_pickled_model_stays_patched(family):
+    """The habits of tests/test_habits.py in every family: a model that goes through pickle comes back patched, with
+    the same outputs and token counts; a hook inside a block is refused in one line naming it."""
+    model = ltmp.patch(make(family), "ltmp", **THRESHOLDS).eval()
+    x = images(2)
+    with torch.no_grad():
+        expected, kept = output(model(x)), ltmp.stats(model).kept
+        back = pickle.loads(pickle.dumps(model))
+        got = output(back(x))
+    assert type(back) is type(model) and torch.equal(got, expected) and torch.equal(ltmp.stats(back).kept, kept)
+    ltmp.patching.blocks(model)[1].register_forward_hook(lambda *args: None)
+    with pytest.raises(ltmp.LtmpError, match=r"^blocks\[1\] has a hook, which a patched model would not run"):
+        model(x)

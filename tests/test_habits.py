@@ -1,6 +1,23 @@
-"""What people habitually do with a timm ViT still works on a patched one, or is refused in one line: hooks,
-intermediates, gradient checkpointing, a new head, forward_features of a batch, pickling, TorchScript and GMACs at
-another image size. Each row of HABITS is one habit (docs/api.md, "Hooks and shapes")."""
+"""What people habitually do with a timm ViT still works on a patched one, or is refused in one line
+(docs/families.md, "Hooks and shapes"). Each habit and the test that holds it:
+
+- hooks and pre-hooks on ``blocks[i]``, its attention, norms, MLP, ``attn.qkv``: refused in one line naming the module
+  (eval and train) (``test_hooks_inside_a_block_are_refused``).
+- hooks on the model itself: fire (``test_hooks_on_the_model_itself_fire_with_its_output``).
+- ``forward_intermediates``: the reduced forward, per patch, record updated (``test_forward_intermediates_*``).
+- ``set_grad_checkpointing(True)``: recomputes the reduced blocks (``test_grad_checkpointing_*``).
+- ``reset_classifier(global_pool="avg")`` after LTP: keeps one patch token
+  (``test_a_new_head_that_pools_the_patches_*``).
+- ``forward_features`` of a batch: padding rows are 0 (``test_forward_features_of_a_batch_has_zero_padding_rows``).
+- pickle, ``torch.save``, deepcopy: patched with its thresholds (``test_a_patched_model_saves_and_loads_patched``).
+- ``torch.jit.script``: refused, naming ``ltmp export`` (``test_torchscript_is_refused_with_the_way_to_export``).
+- GMACs at another image size: those of a model built at that size (``test_gmacs_at_another_image_size_*``).
+- per-patch features: ``dense_output=True`` (tests/test_families.py ``test_dense_outputs_*``, ``test_hidden_states_*``).
+- hooks and pickle in HF and OpenCLIP: as timm (tests/test_families.py
+  ``test_hooks_in_blocks_are_refused_and_a_pickled_*``).
+- bare ``ltmp``: usage (tests/test_cli.py ``test_bare_ltmp_prints_its_commands_and_exits_zero``).
+- ``ltmp train --steps 10``: refused in one line (tests/test_bad_input.py, row "train --steps 1 ...").
+"""
 
 from __future__ import annotations
 
