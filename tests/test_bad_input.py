@@ -299,6 +299,7 @@ ROWS = {
         "merge_threshold of block 1 is inf (not finite); the model's float32 thresholds cannot hold it",
         False,
     ),
+    "demo --output a file": ("demo --output {T}", "is a file; ltmp demo writes a folder: pass another --output", True),
     "train --steps 1 at the paper's learning rate scaled to it": (
         f"{TRAIN} --optimizer sgd --steps 1 --output {{tmp}}/fast",
         "and training would learn nothing: --steps 1 scales the paper's learning rate by",
@@ -686,8 +687,8 @@ def test_sigterm_during_training_is_handled_like_ctrl_c(ws, tmp_path):
     import time
 
     out = tmp_path / "killed"
-    argv = [sys.executable, "-m", "ltmp", "--quiet", *TRAIN.format(**ws).split(), "--steps", "1000", "--output",
-            str(out)]  # fmt: skip
+    steps = ["--steps", "1000", "--checkpoint-every", "1000"]  # no checkpoint before the kill
+    argv = [sys.executable, "-m", "ltmp", "--quiet", *TRAIN.format(**ws).split(), *steps, "--output", str(out)]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120
     while not (out / "log.jsonl").exists() and time.time() < deadline:  # training has begun

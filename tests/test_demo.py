@@ -122,8 +122,8 @@ def test_demo_writes_table_plot_and_token_picture(tiny_model, tiny_data, tmp_pat
                 "val",
                 "--targets",
                 "0.6",
-                "--epochs",
-                "1",
+                "--epochs",  # 54 steps: SGD's scaled rate at fewer steps would be refused by its first step
+                "9",
                 "--batch-size",
                 "8",
                 "--workers",

@@ -88,15 +88,21 @@ class Track(NamedTuple):
         return Track(torch.arange(B * N, device=x.device), None if fill == "zero" else x.new_zeros(B * N, C))
 
 
-def follow(track: Track, x: Tensor, to: Tensor) -> Track:
+def follow(track: Track, x: Tensor, to: Tensor, sparse: bool = False) -> Track:
     """Dense outputs: the track after a step that moved the rows of x (M, C) to rows ``to`` (M,) (-1: removed).
-    A token removed here leaves in ``last`` the feature it had entering the step."""
+    A token removed here leaves in ``last`` the feature it had entering the step: with ``sparse`` (eval, outside
+    export and compile) copied in place for those tokens alone, after one host read of which they are (a tenth of
+    the time of a select over every token, ``benchmarks/dense.py``)."""
     at = track.at.clamp(min=0)  # (B * N0,)
     new = torch.where(track.at >= 0, to[at], -1)  # (B * N0,)
     last = track.last
     if last is not None:
         gone = (track.at >= 0) & (new < 0)  # (B * N0,)
-        last = torch.where(gone[:, None], x[at].to(last.dtype), last)  # (B * N0, C)
+        if sparse:
+            rows = gone.nonzero().squeeze(1)  # (G,)
+            last = last.index_copy_(0, rows, x.index_select(0, at[rows]).to(last.dtype))  # (B * N0, C)
+        else:
+            last = torch.where(gone[:, None], x.index_select(0, at).to(last.dtype), last)  # (B * N0, C)
     return Track(new, last)
 
 
@@ -398,7 +404,9 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
         at = slot.view(B, N)
         at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill(merge.stays, 0))
     T_new = B * n_new if counts is None else sum(counts)
-    track = None if state.track is None else follow(state.track, x, L.take(slot) - 1)  # rows from 0 (-1: cut)
+    track = (
+        None if state.track is None else follow(state.track, x, L.take(slot) - 1, not (plan.symbolic or plan.compiling))
+    )
     x, size, source = ops.merge_rows(x, state.size, L.take(slot), T_new + 1, state.source)
     if counts is None or B == 1 or (not plan.compiling and all(c == n_new for c in counts)):
         layout = Layout(B, n_new)
