@@ -1178,21 +1178,22 @@ def claim8(c8: dict, tests: Tests, S: list) -> list[str]:
         )
         paper = {"even": f"{M} better" if method == "ltmp" else "+1.7 (r 0.5)"}.get(kind, "-")
         S.append((f"8. {claim} ({n} seeds)", paper, ours, verdict, COMMANDS["8"]))
-    outcome = []  # the decision rule's last sentence, applied per method (ltmp.train.METHOD_OPTIMIZER follows it)
+    outcome = []  # the decision rule's last sentence, applied per method (ltmp.train.resolve follows it)
     for method in fixed_name:
         rows = verdicts.get((method, "recipe"), [])
         if rows and all(r is not None for _, r in rows):
             worse = [f"r {t}" for t, r in rows if r["diff"] < 0 and r["holm"] < 0.05]
             outcome.append(
-                f"{method.upper()}: SGD worse at {', '.join(worse)}, so `ltmp train --method {method}` uses Adam"
+                f"{method.upper()}: SGD worse at {', '.join(worse)}, so Adam is the better default for "
+                f"`--method {method}`"
                 if worse
                 else f"{method.upper()}: SGD not worse at any budget, so it stays"
             )
     if outcome:
         L += [
-            f"**Outcome of the decision rule**: {'; '.join(outcome)} (`ltmp.train.METHOD_OPTIMIZER`). These SGD "
-            "runs step the prune thresholds at the paper's ratio of learning rates; `ltmp train`'s SGD now steps "
-            "them in units of the scores' spread ([training.md](training.md)).",
+            f"**Outcome of the decision rule**: {'; '.join(outcome)} (`ltmp.train.resolve`: SGD for every method). "
+            "These SGD runs step the prune thresholds at the paper's ratio of learning rates; `ltmp train`'s SGD "
+            "steps them in units of the scores' spread ([training.md](training.md)).",
             "",
         ]
     return L

@@ -246,8 +246,7 @@ def pruned_after_training(model: str, data: str, out, **recipe) -> dict:
 def test_training_prunes_the_redundant_block_more_than_a_shared_threshold(redundant_last_block, tmp_path, recipe):
     """The task loss (distillation from the unreduced model, so every change costs) says where to prune: training
     moves the pruning into block 2, where it is free, while a shared threshold at the same r_FLOPs prunes mostly in
-    block 1. The recipe before issue #36 (the budget as a penalty, Adam per parameter), ltp's default again since
-    the test set preferred it for learned pruning (``ltmp.train.METHOD_OPTIMIZER``), moves every threshold in
+    block 1. The budget as a penalty with Adam per parameter (``--optimizer adam``) moves every threshold in
     lockstep and ends where the shared threshold is.
 
     SGD's steps are in the units of the gradient: on this toy the default learning rate for 150 steps
@@ -258,5 +257,5 @@ def test_training_prunes_the_redundant_block_more_than_a_shared_threshold(redund
     assert a["r_flops"] == pytest.approx(0.85, abs=0.01)
     assert a["pruned"][1] > a["shared"]["pruned"][1] + 5, a  # about 10 of 16 tokens against 0.2
     assert a["pruned"][0] < 0.5 * a["shared"]["pruned"][0], a
-    before = pruned_after_training(model, data, tmp_path / "before")  # ltp's default: the penalty, Adam
+    before = pruned_after_training(model, data, tmp_path / "before", optimizer="adam")  # the penalty, Adam
     assert before["pruned"][1] < before["shared"]["pruned"][1] + 1 and before["reallocated"] < 0.1, before

@@ -733,6 +733,8 @@ def cmd_demo(args) -> int:
     for t in targets:
         if not 0 < t <= 1:
             raise CLIError(f"--targets must lie in (0, 1], got {t}")
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        raise CLIError(f"--output {args.output} is a file; ltmp demo writes a folder: pass another --output")
     run_demo(
         DemoConfig(
             output=args.output,
@@ -827,7 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["sgd", "adam", "group"],
         help="sgd (the paper's, no momentum; its learning rates scaled to the run's length), adam "
         "(each threshold's step normalised by its gradient) or group (normalised per group: "
-        "merge, prune); default: adam for --method ltp, sgd for the methods that merge",
+        "merge, prune); default: sgd",
     )
     t.add_argument(
         "--merge-init", type=FINITE, help="initial merge thresholds (default 1.0: no reduction; the paper's code: 0.9)"

@@ -78,7 +78,7 @@ class TrainConfig:
     #                          shift shared by all blocks until the batch meets r_target (projected_gradients)
     optimizer: str | None = None  # "sgd" (the paper's; steps keep the gradients' relative sizes over blocks) |
     #                               "adam" (each threshold's step normalised by its gradient) | "group" (Adam
-    #                               normalised per parameter group: merge, prune; GroupAdam); None: METHOD_OPTIMIZER
+    #                               normalised per parameter group: merge, prune; GroupAdam); None: sgd
     lr_prune: float | None = None  # prune thresholds' learning rate; None: OPTIMIZER_DEFAULTS (sgd: per run length)
     lr_merge: float | None = None  # merge thresholds' learning rate; None: OPTIMIZER_DEFAULTS (sgd: per run length)
     merge_init: float | None = None  # initial merge thresholds; None: OPTIMIZER_DEFAULTS (1.0: no reduction)
@@ -119,7 +119,7 @@ class TrainConfig:
 
 #: Learning rates and initial merge thresholds when not given, per optimizer, all from no reduction (merge 1.0,
 #: prune 0); docs/training.md has the evidence:
-#: - sgd (the default of the methods that merge; for ltp see METHOD_OPTIMIZER): the paper's merge learning rate
+#: - sgd (the default of every method): the paper's merge learning rate
 #:   (5e-3), which it used for one ImageNet epoch of PAPER_STEPS steps, times PAPER_STEPS / steps, so that a run of
 #:   any length moves the merge thresholds as far as the paper's did (0.14 for the 351 steps of one epoch of 45,000
 #:   CIFAR-10 images). The prune learning rate steps in the same units of its scores' spread
@@ -134,12 +134,10 @@ OPTIMIZER_DEFAULTS = {
     "adam": {"lr_merge": 2e-3, "lr_prune": 2e-4, "merge_init": 1.0},
     "group": {"lr_merge": 2e-3, "lr_prune": 2e-4, "merge_init": 1.0},
 }
-#: The optimizer of a method when none is given; every other method: sgd. Issue #36's pre-registered comparison
-#: on the CIFAR-10 test set (docs/results.md, claim 8, 3 seeds) kept SGD where it was not worse than Adam, the
-#: default before #36: for LTMP (gaps over ToMe +0.04 / +0.05 / +0.14 / +0.53 points at r_target 0.65 / 0.55 /
-#: 0.5 / 0.45, Holm 1 / 1 / 1 / 0.42); for LTP Adam's gap over top-k pruning was 0.70 points larger (r_target 0.5,
-#: Holm 0.0035), as on the held-out images before (docs/training.md: -1.52 against -2.06).
-METHOD_OPTIMIZER = {"ltp": "adam"}
+#: SGD is every method's default: in the pre-registered comparison with Adam on the CIFAR-10 test set
+#: (docs/results.md, claim 8, 3 seeds, the image as the unit, Holm over the page) SGD was not worse for LTMP
+#: (gaps over ToMe +0.04 to +0.53 points at r_target 0.65 to 0.45, Holm p 1) nor for LTP (gap over top-k pruning
+#: -0.70, 95% CI -1.17 to -0.22, Holm p 0.18, r_target 0.5), and the rule keeps the one not worse.
 #: Steps of the paper's one epoch: 1,281,167 ImageNet images less its 2% hold-out, in batches of 128.
 PAPER_STEPS = 9809
 
@@ -156,10 +154,10 @@ BUDGETS = ("penalty", "constraint", "projected")
 
 
 def resolve(cfg: TrainConfig, steps: int | None = None, spreads: dict[str, float] | None = None) -> TrainConfig:
-    """The config with the method's optimizer (``METHOD_OPTIMIZER``) and the optimizer's defaults filled in where
+    """The config with the optimizer (SGD if none is given) and the optimizer's defaults filled in where
     a value was not given. SGD's learning rates depend on the run's length and its prune rate on the scores'
     spreads (:func:`ltmp.calibrate.score_spreads`): they stay unset until ``steps`` and ``spreads`` are given."""
-    optimizer = cfg.optimizer or METHOD_OPTIMIZER.get(cfg.method, "sgd")
+    optimizer = cfg.optimizer or "sgd"
     if optimizer not in OPTIMIZER_DEFAULTS:
         raise TrainError(f"unknown --optimizer '{optimizer}'; choose one of: {', '.join(OPTIMIZER_DEFAULTS)}")
     defaults = {"optimizer": optimizer, **OPTIMIZER_DEFAULTS[optimizer]}
@@ -459,8 +457,8 @@ def check_run_folder(out: Path, resume: bool, overwrite: bool) -> None:
 
 def train(cfg: TrainConfig, resume: bool = False, progress: bool = True, overwrite: bool = False) -> dict:
     """Train the thresholds of one model (paper section 4): frozen backbone, the loss of eq. 15 (its budget as a
-    penalty, a dual-ascent constraint or a projection, ``cfg.budget``), SGD by default as in the paper, Adam for
-    ``ltp`` (``METHOD_OPTIMIZER``, ``OPTIMIZER_DEFAULTS``).
+    penalty, a dual-ascent constraint or a projection, ``cfg.budget``), SGD by default as in the paper
+    (``OPTIMIZER_DEFAULTS``).
 
     Writes into ``cfg.output``: ``config.json``, ``log.jsonl``, ``checkpoint.safetensors`` (every
     ``checkpoint_every`` steps, atomically) and finally ``thresholds.safetensors``. Only rank 0 writes. A folder
@@ -906,6 +904,7 @@ def check_first_step(model: nn.Module, cfg: TrainConfig, steps: int, given: dict
             )
 
 
+@torch.no_grad()
 def project_thresholds(
     model: nn.Module, merge: list[nn.Parameter], prune: list[nn.Parameter], clamp: str = "scores"
 ) -> None:
