@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ from common import DATA, MODEL, ROOT, compact, unpack
 
 RAW = ROOT / "results" / "training_study.json"
 SAVED: dict | None = None  # --render: RAW's records; nothing is read from the runs or run
+RECORDED: dict = {}  # RAW's records: read for a run whose folder is not on this machine
 KEPT: dict[str, object] = {}  # the records this call read from the runs, merged into RAW at the end
 
 
@@ -54,7 +56,9 @@ def record(folder: Path, name: str) -> dict | str | None:
     if SAVED is not None:
         value = SAVED.get(key)
     elif not (folder / name).exists():
-        return None
+        value = RECORDED.get(key)  # a run made elsewhere, or before its folder was removed
+        if value is None:
+            return None
     elif name == "stopped.txt":
         steps = len((folder / "log.jsonl").read_text().splitlines())
         value = KEPT[key] = f"stopped at step {steps}: {(folder / name).read_text().strip()}"
@@ -64,7 +68,7 @@ def record(folder: Path, name: str) -> dict | str | None:
 
 
 STEPS = 100
-#: The points of ``ltmp train --recipe paper`` (``ltmp.config.RECIPES["paper"]``): the command-line flags that set
+#: The points of ``ltmp train --recipe paper`` (``ltmp.options.RECIPES["paper"]``): the command-line flags that set
 #: each, the methods it applies to, where the reference code (github Mxbonn/ltmp at REFERENCE_COMMIT) does it, our
 #: default and why it differs; in the order of docs/training.md's table. Not among them: the hold-out (the
 #: reference's 2%; every run of the "recipe" study holds out 10%, 5,000 images, to be measured on).
@@ -617,9 +621,11 @@ def main(argv: list[str] | None = None) -> int:
         help="then evaluate the study's variants and baseline on the "
         "test set, once (studies with a baseline: " + ", ".join(BASELINE) + ")",
     )
+    ap.add_argument("--match", default="", help="train only the variants whose names match this regex, e.g. 's[12]$'")
     args = ap.parse_args(argv)
-    global SAVED
+    global SAVED, RECORDED
     saved = json.loads(RAW.read_text()) if RAW.exists() else {}
+    RECORDED = saved
     if args.render:
         SAVED = saved
     runs = Path(args.runs)
@@ -628,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.table or args.render):
             for target in targets:  # every variant at one target before the next: partial results still pair up
                 for name, extra in variants.items():
+                    if not re.search(args.match, name) or RECORDED.get(f"{name}-r{target}/eval.json"):
+                        continue
                     train(runs / f"{name}-r{target}", target, extra, SETTINGS.get(study, DEFAULT_SETTINGS))
                     if study in HELDOUT:
                         heldout_baselines(
