@@ -34,12 +34,13 @@ def main() -> None:
         deployed = load_deployed(deploy(model, images[:1], "onnx", tmp, "ltmp"), "onnx", threads=1)
         for i in range(len(images)):
             x = images[i : i + 1]
-            cfg.capture = []
+            captured = []
+            cfg.capture = captured.append
             with torch.no_grad():
                 diff = float((deployed(x) - model(x)).abs().max())
             nearest = min(
                 float((c.scores[c.candidates] - thresholds[f"blocks.{c.layer}.{c.op}_threshold"]).abs().min())
-                for c in cfg.capture
+                for c in captured
                 if c.candidates.any()
             )
             cfg.capture = None

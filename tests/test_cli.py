@@ -128,7 +128,7 @@ def test_optimizer_defaults_fill_only_what_is_not_given():
 def test_paper_recipe_trains_and_records_every_point(tiny_model, tiny_data, tmp_path):
     """``--recipe paper`` trains with the reference code's recipe (docs/training.md) and says so in config.json;
     its thresholds stay in [0, 1] and it does not settle."""
-    from ltmp.config import RECIPES
+    from ltmp.options import RECIPES
 
     out = tmp_path / "paper"
     args = [

@@ -28,7 +28,7 @@ def test_calibration_hits_the_target_without_training(method, target, mode):
     assert abs(float(ltmp.r_flops(model).mean()) - r) < 1e-9
     rec = ltmp.stats(model)
     if mode == "quantile":  # per-layer thresholds; both operations take part
-        assert model.ltmp_config.fit is None
+        assert model.ltmp_config.capture is None
         for name, values in ltmp.thresholds.threshold_tensors(model).items():
             assert values.unique().numel() > 1, (name, values)
         assert int(rec.pruned.sum()) > 0

@@ -103,7 +103,7 @@ def test_mlp_width_of_eq11_counts_a_gated_mlp_by_its_macs():
     from timm.layers import SwiGLUPacked
 
     plain = make_model("cls")
-    assert ltmp.patching.mlp_hidden(plain) == plain.blocks[0].mlp.fc1.out_features
+    assert ltmp.vit_spec(plain).mlp_hidden == plain.blocks[0].mlp.fc1.out_features
     glu = timm.create_model(
         "vit_tiny_patch16_224",
         img_size=32,
@@ -116,4 +116,4 @@ def test_mlp_width_of_eq11_counts_a_gated_mlp_by_its_macs():
     )
     mlp = glu.blocks[0].mlp
     macs = mlp.fc1.in_features * mlp.fc1.out_features + mlp.fc2.in_features * mlp.fc2.out_features
-    assert ltmp.patching.mlp_hidden(glu) == round(macs / (2 * 48)) != mlp.fc1.out_features
+    assert ltmp.vit_spec(glu).mlp_hidden == round(macs / (2 * 48)) != mlp.fc1.out_features

@@ -14,7 +14,7 @@ import torch
 import ltmp
 from conftest import THRESHOLDS, images, make_model
 from ltmp.cli import build_parser, train_config
-from ltmp.config import RECIPES
+from ltmp.options import RECIPES
 from ltmp.train import project_thresholds
 
 REQUIRED = ["train", "--model", "m", "--data-dir", "d", "--output", "o", "--r-target", "0.5"]
@@ -88,10 +88,11 @@ def test_importance_over_all_rows_changes_only_what_follows_a_removal():
     cfg = model.ltmp_config
     scores = {}
     for rows in ("survivors", "all"):
-        cfg.importance_rows, cfg.capture = rows, []
+        captured = []
+        cfg.importance_rows, cfg.capture = rows, captured.append
         model.train()
         model(x)
-        scores[rows] = [c.scores for c in cfg.capture]
+        scores[rows] = [c.scores for c in captured]
         cfg.capture = None
         model.eval()
         with torch.no_grad():

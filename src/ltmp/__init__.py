@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from ._version import __version__ as __version__
 from .config import METHODS
-from .engine import Record
 from .errors import LtmpError
 from .flops import ViTSpec, dense_gmacs, gmacs, gmacs_executed, vit_spec
 from .patching import patch, unpatch
-from .record import budget_loss, mean_r_flops, r_flops, stats
+from .record import Record, budget_loss, mean_r_flops, r_flops, stats
 from .thresholds import load_thresholds, read_thresholds, save_thresholds
 
 __all__ = [

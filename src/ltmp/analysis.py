@@ -64,15 +64,16 @@ def kendall_tau(model: nn.Module, loader, device: torch.device | str = "cpu", ma
     depth = len(blocks(model))
     taus: list[list[float]] = [[] for _ in range(depth)]
     seen = 0
-    cfg.capture = []
+    captured: list = []
+    cfg.capture = captured.append
     try:
         for batch in loader:
             imgs = batch[0]
             if imgs is None:
                 continue
-            cfg.capture.clear()
+            captured.clear()
             model(imgs.to(device))
-            for layer, op, score, is_a, imp in cfg.capture:  # (B, N) each
+            for layer, op, score, is_a, imp, _ in captured:  # (B, N) each
                 if op != "merge" or imp is None:
                     continue
                 for b in range(imp.shape[0]):
@@ -140,12 +141,13 @@ def allocation(
     total = {op: np.zeros(depth) for op in cfg.ops}
     counts = {"merged": np.zeros(depth), "pruned": np.zeros(depth)}
     r_sum = 0.0
-    cfg.capture = []
+    captured: list = []
+    cfg.capture = captured.append
     try:
         for i in range(0, len(images), batch):
-            cfg.capture.clear()
+            captured.clear()
             model(images[i : i + batch].to(device))
-            for c in cfg.capture:  # one entry per (block, operation)
+            for c in captured:  # one entry per (block, operation)
                 th = float(getattr(blocks(model)[c.layer], f"{c.op}_threshold"))
                 scores = c.scores[c.candidates].double()
                 below[c.op][c.layer] += float((scores <= th).sum())

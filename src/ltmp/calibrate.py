@@ -16,6 +16,7 @@ from .errors import LtmpError
 from .patching import num_heads, patch, score_ranges
 from .record import r_flops
 from .runtime import amp_context
+from .step import Captured
 
 
 def calibration_batch(
@@ -55,7 +56,8 @@ def calibrate(
     - ``"quantile"`` (not in the paper): a fraction f is bisected; every block's merge threshold becomes the
       quantile of its similarity scores that merges f of its set-A tokens, and its prune threshold the quantile
       of its importance scores that prunes ``prune_share * f`` of its remaining tokens (f for pruning-only
-      methods), all over the whole of ``images`` in one batch (``ltmp.ops.fit_threshold``).
+      methods), all over the whole of ``images`` in one batch (:func:`fit_threshold`, from each decision's scores
+      as the forward makes it, ``ReduceConfig.capture``).
 
     Returns:
         The r_FLOPs reached.
@@ -72,11 +74,16 @@ def calibrate(
         lo, hi, increasing = 0.0, 1.0, False  # r falls as f grows
 
         def r_at(f: float) -> float:
-            cfg.fit = (f, prune_share * f if merge else f)
+            fractions = {"merge": f, "prune": prune_share * f if merge else f}
+
+            def fit(c: Captured) -> None:  # before the block compares its scores with the threshold
+                fit_threshold(c.threshold, c.scores[c.candidates], fractions[c.op], largest=c.op == "merge")
+
+            cfg.capture = fit
             try:
-                model(images.to(device))  # sets every threshold from this batch's scores
+                model(images.to(device))  # sets every threshold from this batch's scores, block by block
             finally:
-                cfg.fit = None
+                cfg.capture = None
             return r_of()
     elif mode == "shared":
         if merge:
@@ -93,6 +100,17 @@ def calibrate(
         raise LtmpError(f"unknown calibration mode '{mode}'; choose 'shared' or 'quantile'")
 
     return _bisect(r_at, lo, hi, increasing, r_target, iters)
+
+
+def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: bool) -> None:
+    """Set a threshold so that the given fraction of ``scores`` passes it: the largest scores for merging (eq. 1:
+    merge where ``score > threshold``), the smallest for pruning. One batch's quantiles stand in for learned
+    thresholds (not in the paper)."""
+    if fraction <= 0 or scores.numel() == 0:
+        threshold.fill_(math.inf if largest else -math.inf)
+        return
+    q = 1.0 - fraction if largest else fraction
+    threshold.fill_(torch.quantile(scores.double().flatten(), min(max(q, 0.0), 1.0)).item())
 
 
 def _bisect(r_at, lo: float, hi: float, increasing: bool, r_target: float, iters: int) -> float:
@@ -228,12 +246,12 @@ def score_spreads(
             probe, "ltmp", importance=model.ltmp_config.importance, merge_threshold=math.inf, prune_threshold=-math.inf
         )
     probe.eval().to(device)
-    cfg = probe.ltmp_config
-    cfg.capture = []
+    captured: list[Captured] = []
+    probe.ltmp_config.capture = captured.append
     for i in range(0, len(images), batch):
         probe(images[i : i + batch].to(device))
     per_block: dict[tuple[str, int], list[Tensor]] = {}
-    for c in cfg.capture:
+    for c in captured:
         per_block.setdefault((c.op, c.layer), []).append(c.scores[c.candidates].double())
     out = {}
     for op in ("merge", "prune"):

@@ -15,8 +15,9 @@ import warnings
 from pathlib import Path
 
 from ._version import __version__
-from .config import AUGMENTS, CHOICES, FIXED_RATE, LABELS, LEARNED, RECIPES
+from .config import FIXED_RATE, LEARNED
 from .errors import LtmpError, first_line
+from .options import AUGMENTS, CHOICES, LABELS, RECIPES
 
 
 class CLIError(LtmpError):

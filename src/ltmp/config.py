@@ -1,5 +1,5 @@
-"""What a patched model reduces: the methods and the configuration every block's reduction step reads; and the
-training recipes and augmentations ``ltmp train`` offers (plain data, read by the command line without torch)."""
+"""What a patched model reduces: the methods and the configuration every block's reduction step reads (plain
+data, read by the command line without torch)."""
 
 from __future__ import annotations
 
@@ -26,47 +26,8 @@ LEARNED = tuple(m for m, (_, kind) in METHODS.items() if kind == "threshold")
 FIXED_RATE = tuple(m for m, (_, kind) in METHODS.items() if kind == "topk")
 #: How merge thresholds learn in train mode (``ReduceConfig.merge_grad``).
 MERGE_GRADS = ("average", "mask")
-#: How data folders map to a model's classes where they do not match its class names (``--labels``,
-#: ``ltmp.data.label_map``): by name, or the sorted folders as its classes 0, 1, ...
-LABELS = ("names", "order")
 #: A removed token's dense output (``ReduceConfig.dense_fill``).
 DENSE_FILLS = ("last", "zero")
-#: Training augmentations (``ltmp.data.transforms_for``).
-AUGMENTS = ("timm", "timm-random", "light", "none")
-#: Training recipes (``ltmp train --recipe``): the values a recipe gives the options not set on the command line
-#: (the rest keep ``ltmp.train.TrainConfig``'s defaults). "paper" is the reference code's (github Mxbonn/ltmp,
-#: tools/train.py and ltmp/timm/lt_*.py; docs/training.md has each point, where the reference does it, and the
-#: measured effect of switching it to the default): SGD without momentum at the paper's fixed learning rates (5e-6
-#: prune, 5e-3 merge), merge thresholds from 0.9, label smoothing 0.1, the reference's eps form of eq. 6's
-#: gradient with detached merged averages, the prune mask overwriting a set-A token's merge mask, importance over
-#: every query row and A/B over every position (reordered set A, set B) in training, eq. 13 over all tokens with
-#: the batch's mean masks, thresholds clamped to [0, 1], timm's augmentation with random interpolation, 2% held
-#: out, no settle step. Its tau is the paper's 0.1 (the reference's command line defaults to 0.5).
-RECIPES: dict[str, dict] = {
-    "default": {},
-    "paper": dict(
-        optimizer="sgd",
-        lr_merge=5e-3,
-        lr_prune=5e-6,
-        merge_init=0.9,
-        label_smoothing=0.1,
-        mask_grad="eps",
-        merge_grad="mask",
-        combine="overwrite",
-        importance_rows="all",
-        train_order="reference",
-        budget_tokens="all",
-        budget_pool="batch",
-        clamp="unit",
-        augment="timm-random",
-        holdout=0.02,
-        settle=False,
-        tau=0.1,
-        lam=10.0,
-        batch_size=128,
-        epochs=1.0,
-    ),
-}
 
 
 @dataclasses.dataclass
@@ -93,9 +54,8 @@ class ReduceConfig:
     trace_source: bool = False  # carry a map of which patches each token covers (for viz)
     dense_output: bool = False  # the family's token outputs per patch (B, N, C), as the unpatched model's
     dense_fill: str = "last"  # a removed token's dense output: the feature it had when removed, or "zero"
-    capture: list | None = None  # analysis: each decision appends its scores and candidates (a Captured)
-    fit: tuple[float, float] | None = None  # calibration: set each threshold to the batch quantile that merges /
-    #                                         prunes these fractions of the block's candidates (ops.fit_threshold)
+    capture: Callable | None = None  # called with each decision's scores (a ``step.Captured``) before eq. 1 reads
+    #                                  the threshold: analysis keeps them, calibration sets the threshold from them
     # derived from the fields above when made (``dataclasses.replace`` makes them anew)
     ops: tuple[str, ...] = dataclasses.field(init=False)  # the method's operations in order (METHODS)
     learned: bool = dataclasses.field(init=False)  # learned thresholds (else a fixed rate)
@@ -132,16 +92,3 @@ class BlockView:
     q_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) per-head query norm
     k_norm: Callable[[Tensor], Tensor] = identity  # (B, H, N, D) per-head key norm
     fused: bool = True  # the family allows scaled_dot_product_attention here
-
-
-#: The values of ``ltmp.train.TrainConfig``'s recipe options (the first is the default).
-CHOICES = {
-    "combine": ("product", "overwrite"),
-    "importance_rows": ("survivors", "all"),
-    "train_order": ("positions", "reference"),
-    "budget_tokens": ("patches", "all"),
-    "budget_pool": ("image", "batch"),
-    "clamp": ("scores", "unit"),
-    "augment": AUGMENTS,
-    "recipe": tuple(RECIPES),
-}

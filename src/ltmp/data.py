@@ -25,8 +25,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, Subset
 
-from .config import AUGMENTS
 from .errors import LtmpError, first_line
+from .options import AUGMENTS
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 

@@ -17,7 +17,6 @@ masks need eq. 6's gradient, else ``scaled_dot_product_attention``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -31,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from . import ops
 from .config import BlockView, ReduceConfig
 from .errors import LtmpError
+from .record import Record
 from .step import Layout, Plan, StepResult, TokenState, Track, dense, reduce_step
 
 _EXPORTING = False  # set by :func:`exporting` while torch.export traces a patched model
@@ -296,63 +296,3 @@ def _padded(state: TokenState, p: Plan) -> TokenState:
 def forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The ``forward`` of a patched model: its adapter's, with :func:`encode` for the blocks."""
     return type(model)._ltmp_adapter.forward(model, encode, *args, **kwargs)
-
-
-@dataclasses.dataclass
-class Record:
-    """The record of the last forward of a patched model, overwritten by every forward (read with ``ltmp.stats``).
-
-    Per-layer tensors are (B, L): one row per image, one column per block. They are built on first read from the
-    blocks' counts (:class:`ltmp.step.StepResult`), so that a forward nobody inspects launches no operators for it.
-    """
-
-    method: str  # the patched method
-    padded: list[int]  # (L + 1) longest image's tokens entering each block and leaving the last
-    num_patches: int  # n of eq. 13
-    num_prefix: int  # prefix tokens, always kept
-    steps: list | None  # the blocks' counts (StepResult), until the record is first read
-    dtype: torch.dtype  # of keep_frac
-    device: torch.device
-    batch: int
-    sources: list[Tensor] | None = None  # per block (B, N_l, n) patch membership of each token, if traced
-    keeps: list[Tensor] | None = None  # per block (B, N_l) survivors, if traced
-    built: tuple | None = None  # (merged, pruned, kept, keep_frac) once built
-
-    def counts(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(merged, pruned, kept, keep_frac), built once."""
-        if self.built is None:
-
-            def column(v) -> Tensor:  # (B,) from an int, a host list, a (B,) tensor or a (B, K) mask
-                if isinstance(v, int):
-                    return torch.full((self.batch,), v, device=self.device)
-                if isinstance(v, list):
-                    return torch.tensor(v, device=self.device)
-                return v.sum(1) if v.dim() == 2 else v
-
-            merged, pruned, kept = (
-                torch.stack([column(getattr(s, f)) for s in self.steps], 1) for f in ("merged", "pruned", "kept")
-            )  # (B, L) each
-            frac = torch.stack([column(s.kept_frac) for s in self.steps], 1).to(self.dtype) / self.num_patches
-            keep_frac = torch.cat([torch.ones_like(frac[:, :1]), frac], 1)  # (B, L + 1)
-            self.built, self.steps = (merged, pruned, kept, keep_frac), None
-        return self.built
-
-    @property
-    def merged(self) -> Tensor:
-        """(B, L) tokens merged away in each block."""
-        return self.counts()[0]
-
-    @property
-    def pruned(self) -> Tensor:
-        """(B, L) tokens pruned in each block."""
-        return self.counts()[1]
-
-    @property
-    def kept(self) -> Tensor:
-        """(B, L) patch tokens left after each block."""
-        return self.counts()[2]
-
-    @property
-    def keep_frac(self) -> Tensor:
-        """(B, L + 1) fraction of patch tokens kept, m-bar of eq. 13 (column 0 is 1); differentiable in train mode."""
-        return self.counts()[3]

@@ -14,7 +14,6 @@ the caller (:mod:`ltmp.step`) passes what differs between train, eval and export
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
@@ -249,15 +248,3 @@ def merge_rows(x: Tensor, size: Tensor, rows: Tensor, n: int, extra: Tensor | No
     xs = x.to(size.dtype) * size[:, None]  # (M, C) in the sizes' precision (never below float32)
     num = torch.zeros(n, x.shape[1], dtype=size.dtype, device=x.device).index_add_(0, rows, xs)  # (n, C)
     return (num / den[:, None]).to(x.dtype), den, extra  # (n, C), (n,), (n, K)
-
-
-def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: bool) -> None:
-    """Set a threshold so that the given fraction of ``scores`` passes it: the largest scores for merging (eq. 1:
-    merge where ``score > threshold``), the smallest for pruning. Training-free calibration (``ltmp calibrate
-    --mode quantile``, not in the paper): one batch's quantiles stand in for learned thresholds."""
-    with torch.no_grad():
-        if fraction <= 0 or scores.numel() == 0:
-            threshold.fill_(math.inf if largest else -math.inf)
-            return
-        q = 1.0 - fraction if largest else fraction
-        threshold.fill_(torch.quantile(scores.detach().double().flatten(), min(max(q, 0.0), 1.0)).item())

@@ -244,13 +244,3 @@ def score_ranges(model: nn.Module) -> dict[str, tuple[float, float]]:
 def num_heads(model: nn.Module) -> int:
     """Attention heads of the first block."""
     return adapter_for(model).view(model, blocks(model)[0]).heads
-
-
-def mlp_hidden(model: nn.Module) -> int:
-    """h of eq. 11: the MLP's hidden width."""
-    return adapter_for(model).mlp_hidden(model)
-
-
-def embed_dim(model: nn.Module) -> int:
-    """d of eq. 11: the model width."""
-    return adapter_for(model).embed_dim(model)

@@ -116,13 +116,15 @@ def dense(x: Tensor, track: Track) -> Tensor:
 
 
 class Captured(NamedTuple):
-    """One reduction decision's scores, recorded for analysis (``ReduceConfig.capture``)."""
+    """One reduction decision's scores, handed to ``ReduceConfig.capture`` before eq. 1 compares them with the
+    threshold (analysis records them; ``ltmp calibrate --mode quantile`` sets the threshold from them)."""
 
     layer: int
     op: str  # "merge" or "prune"
     scores: Tensor  # (B, K) similarity to the best match in set B (merge) or importance (prune)
     candidates: Tensor  # (B, K) bool: set A tokens that may merge, or the surviving patch tokens (prune)
     importance: Tensor | None  # (B, K) merge decisions: the A tokens' importance, where the method computes it
+    threshold: Tensor | None  # the learned threshold the scores are compared with (fixed rates: None)
 
 
 @dataclasses.dataclass
@@ -170,14 +172,11 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
     dst = (first[1] + 2 * j).clamp(max=N - 1)  # (B, Na) their B tokens' (match's padding column: never selected)
     if order is not None:
         src, dst = order.gather(1, src), order.gather(1, dst)
-    if cand is None and (cfg.capture is not None or cfg.fit is not None):
-        cand = torch.ones_like(score, dtype=torch.bool)
     if cfg.capture is not None:
+        cand = torch.ones_like(score, dtype=torch.bool) if cand is None else cand
         imp = None if importance is None else importance.gather(1, src).detach().cpu()
-        cfg.capture.append(Captured(layer, "merge", score.detach().cpu(), cand.cpu(), imp))
+        cfg.capture(Captured(layer, "merge", score.detach().cpu(), cand.cpu(), imp, threshold))
     if cfg.learned:
-        if cfg.fit is not None:
-            ops.fit_threshold(threshold, score[cand], cfg.fit[0], largest=True)
         mask = ops.threshold_mask(score, threshold, cfg.tau, soft=plan.train)  # (B, Na) eq. 1-2 (0 outside cand)
     else:  # the k best matched, k = min(rate, |A|, |B|) per image
         rank = ops.rank(score, largest=True)  # (B, Na)
@@ -205,15 +204,13 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
     cand = (torch.arange(N, device=importance.device) >= cfg.num_prefix).expand(B, N)  # (B, N) patch tokens
     cand = cand if alive is None else alive & cand  # the surviving ones
     if cfg.capture is not None:
-        cfg.capture.append(Captured(layer, "prune", importance.detach().cpu(), cand.cpu(), None))
+        cfg.capture(Captured(layer, "prune", importance.detach().cpu(), cand.cpu(), None, threshold))
     if not cfg.learned:  # the k least important candidates; with keep_one, k leaves one
         rank = ops.rank(torch.where(cand, importance, float("inf")), largest=False)  # (B, N)
         if plan.static:  # k is at most the candidates: the others rank after them
             return rank < rate, cand, None
         drop = rank < (cand.sum(1, keepdim=True) - int(plan.keep_one)).clamp(0, rate)  # (B, N)
         return drop, cand, (~drop).to(importance.dtype)
-    if cfg.fit is not None:
-        ops.fit_threshold(threshold, importance[cand], cfg.fit[1], largest=False)
     kept = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) eq. 1-2
     soft = None if kept.dtype == torch.bool else kept
     drop = cand & ~(kept if soft is None else kept.detach() > 0.5)  # (B, N)

@@ -27,10 +27,11 @@ from torch.utils.data import DataLoader, Sampler, Subset
 from . import data as ldata
 from .analysis import ALLOCATION_IMAGES, allocation
 from .calibrate import calibrate, calibration_batch, score_spreads, settle, shift_to_budget
-from .config import CHOICES, LEARNED
+from .config import LEARNED
 from .errors import LtmpError
 from .evaluate import evaluate
 from .flops import budget_loss_value, vit_spec
+from .options import CHOICES
 from .patching import THRESHOLD_NAMES, blocks, keeps_one, patch, score_ranges
 from .record import mean_r_flops, r_flops, stats
 from .runtime import (
