@@ -20,6 +20,10 @@ else on its own (a closure made by ``ltmp.patch`` runs without its maker). Code 
 
 Docstrings and comments are excluded and formatting does not matter: statements and tokens, not lines.
 
+It also counts the modules a forward is made of (``FORWARD_MODULES``: the maths, the step, the engine, patching,
+the forward's config and the errors; not the adapters, the record, FLOPs, calibration, export, data, runtime or
+command layers), whole files, the same way.
+
     python benchmarks/reading_path.py [--method ltmp|ltpm|ltm|ltp|tome] [--merge 0.9] [--prune 0.0138] [--r 4]
         [--batch 8] [--json FILE]
 """
@@ -46,6 +50,7 @@ from common import cifar_model_name, load_images
 from ltmp.config import LEARNED, METHODS
 
 PACKAGE = Path(ltmp.__file__).resolve().parent
+FORWARD_MODULES = ("ops", "step", "engine", "patching", "config", "errors")
 SKIPPED_TOKENS = {
     tokenize.COMMENT,
     tokenize.NL,
@@ -144,6 +149,17 @@ def measure(path: Path, node: ast.AST) -> tuple[int, int]:
         for t in mod.tokens
     )
     return statements or 1, tokens  # a lambda or comprehension has no statement: its expression is one
+
+
+def file_size(path: Path) -> tuple[int, int]:
+    """The statements and code tokens of a whole source file, without docstrings and comments."""
+    mod, tree = module(path), ast.parse(path.read_text())
+    docs = {id(d) for d in map(docstring, ast.walk(tree)) if d is not None}
+    statements = sum(isinstance(n, ast.stmt) and id(n) not in docs for n in ast.walk(tree))
+    tokens = sum(
+        t.type not in SKIPPED_TOKENS and not any(a <= t.start < b for a, b in mod.docstrings) for t in mod.tokens
+    )
+    return statements, tokens
 
 
 def enclosing(name: str) -> list[str]:
@@ -271,6 +287,15 @@ def main() -> None:
     kept = ltmp.stats(model).kept[:, -1].tolist()
     print(f"{args.method} on {cifar_model_name()}, batch {args.batch}, tokens kept after the last block: {kept}\n")
     result = report(functions, notes)
+    sizes = {name: file_size(PACKAGE / f"{name}.py") for name in FORWARD_MODULES}
+    result["forward_modules"] = {
+        "statements": sum(s for s, _ in sizes.values()),
+        "tokens": sum(t for _, t in sizes.values()),
+    }
+    print(
+        f"\nthe forward's modules ({', '.join(FORWARD_MODULES)}): {result['forward_modules']['statements']} "
+        f"statements, {result['forward_modules']['tokens']:,} code tokens"
+    )
     if args.json:
         args.json.write_text(json.dumps(dict(method=args.method, batch=args.batch, kept=kept, **result), indent=1))
 

@@ -97,9 +97,10 @@ def test_compiled_graphs_do_not_depend_on_the_block_index(method):
 
 def test_compile_ignores_is_exporting_where_torch_cannot_tell_export_from_compile(monkeypatch):
     """Before torch 2.14 Dynamo answered torch.compiler.is_exporting() with True under torch.compile too; ltmp then
-    relies on its own flag (set by ltmp.engine.exporting, which ltmp.export uses), so a compiled model still
+    relies on its own flag (ReduceConfig.exporting, set by ltmp.export.exporting), so a compiled model still
     records its token counts."""
     import ltmp.engine
+    from ltmp.export import exporting
 
     monkeypatch.setattr(ltmp.engine, "_TORCH_IS_EXPORTING_EXACT", False)
     monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)  # what Dynamo answered before 2.14
@@ -113,8 +114,9 @@ def test_compile_ignores_is_exporting_where_torch_cannot_tell_export_from_compil
         model.ltmp_record = None
         torch.testing.assert_close(got, model(x), rtol=0, atol=1e-12)
     assert torch.equal(kept, ltmp.stats(model).kept)
-    with ltmp.engine.exporting():
-        assert ltmp.engine.is_exporting()
+    with exporting(model):
+        assert ltmp.engine.plan(model.ltmp_config, False, "cpu", False).symbolic
+    assert not ltmp.engine.plan(model.ltmp_config, False, "cpu", False).symbolic
 
 
 @pytest.mark.parametrize("name", ["cls", "no-cls-avg"])

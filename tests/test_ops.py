@@ -30,8 +30,11 @@ def reference_attention(q, k, v, scale, keep, size):
 def test_threshold_mask_is_hard_forward_and_sigmoid_backward():
     s = torch.tensor([0.1, 0.5, 0.5000001, 0.9], dtype=torch.float64)
     theta = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
-    m = ops.threshold_mask(s, theta, tau=0.1, soft=True)
+    hard, m = ops.threshold_mask(s, theta, tau=0.1, soft=True)
     assert m.tolist() == [0.0, 0.0, 1.0, 1.0]  # eq. 1: strictly greater keeps
+    assert hard.tolist() == [False, False, True, True]
+    eval_hard, eval_soft = ops.threshold_mask(s, theta, tau=0.1, soft=False)
+    assert torch.equal(eval_hard, hard) and eval_soft is None
     m.sum().backward()
     sig = torch.sigmoid((s - 0.5) / 0.1)
     assert torch.allclose(theta.grad, -(sig * (1 - sig) / 0.1).sum(), atol=1e-12)  # eq. 2
@@ -39,7 +42,7 @@ def test_threshold_mask_is_hard_forward_and_sigmoid_backward():
 
 def test_threshold_mask_forward_is_exactly_zero_or_one_with_grad():
     s = torch.rand(1000, requires_grad=True)
-    m = ops.threshold_mask(s, torch.tensor(0.3, requires_grad=True), tau=0.1, soft=True)
+    _, m = ops.threshold_mask(s, torch.tensor(0.3, requires_grad=True), tau=0.1, soft=True)
     assert set(m.detach().unique().tolist()) <= {0.0, 1.0}
 
 

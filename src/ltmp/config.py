@@ -56,6 +56,7 @@ class ReduceConfig:
     dense_fill: str = "last"  # a removed token's dense output: the feature it had when removed, or "zero"
     capture: Callable | None = None  # called with each decision's scores (a ``step.Captured``) before eq. 1 reads
     #                                  the threshold: analysis keeps them, calibration sets the threshold from them
+    exporting: bool = False  # torch.export traces the model (``ltmp.export`` sets it): token counts are symbolic
     # derived from the fields above when made (``dataclasses.replace`` makes them anew)
     ops: tuple[str, ...] = dataclasses.field(init=False)  # the method's operations in order (METHODS)
     learned: bool = dataclasses.field(init=False)  # learned thresholds (else a fixed rate)

@@ -352,10 +352,12 @@ def label_map(folders: list[str], names: list[str] | None, how: str | None) -> t
             f"the data's class folders do not match the model's {len(names)} class names: "
             f"{'; '.join(p for p in parts if p)}; pass --labels names (folders by name, unknown folders left out) or "
             f"--labels order (the sorted folders as its classes 0, 1, ...)"
-        )  # fmt: skip
+        )
     if not by_name:
-        raise DataError(f"none of the data's class folders is one of the model's class names ({names[:3]}, ...); "
-                        f"pass --labels order to take the sorted folders as its classes 0, 1, ...")  # fmt: skip
+        raise DataError(
+            f"none of the data's class folders is one of the model's class names ({names[:3]}, ...); "
+            f"pass --labels order to take the sorted folders as its classes 0, 1, ..."
+        )
     note = (
         f"left out {len(unknown)} class folders the model does not know: {', '.join(unknown[:3])}" if unknown else None
     )
@@ -375,8 +377,14 @@ def fingerprint(dataset: Dataset) -> str:
     return h.hexdigest()
 
 
-def eval_set(model: torch.nn.Module, data_dir: str, val_split: str, max_images: int | None = None,
-             names: list[str] | None = None, labels: str | None = None) -> Dataset:  # fmt: skip
+def eval_set(
+    model: torch.nn.Module,
+    data_dir: str,
+    val_split: str,
+    max_images: int | None = None,
+    names: list[str] | None = None,
+    labels: str | None = None,
+) -> Dataset:
     """The model's eval transform over the eval split of ``data_dir`` (val <-> test fallback), optionally
     ``max_images`` of it spread evenly over the classes. Its class folders are labelled by ``label_map`` (the
     model's class ``names``, ``--labels``); ``notes`` (on the returned dataset) says what needs saying."""
@@ -387,8 +395,13 @@ def eval_set(model: torch.nn.Module, data_dir: str, val_split: str, max_images: 
     return annotate(spread_subset(data, max_images), data.notes)
 
 
-def labelled(folder: Path, transform: Callable | None, names: list[str] | None, labels: str | None,
-             hint: str = "choose the split with --val-split") -> ImageFolder:  # fmt: skip
+def labelled(
+    folder: Path,
+    transform: Callable | None,
+    names: list[str] | None,
+    labels: str | None,
+    hint: str = "choose the split with --val-split",
+) -> ImageFolder:
     """An :class:`ImageFolder` whose class folders carry the model's labels (:func:`label_map`), with ``notes``:
     the lines a command prints about them (folders left out, a model without class names)."""
     if not folder.is_dir():

@@ -16,7 +16,6 @@ masks need eq. 6's gradient, else ``scaled_dot_product_attention``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -33,40 +32,25 @@ from .errors import LtmpError
 from .record import Record
 from .step import Layout, Plan, StepResult, TokenState, Track, dense, reduce_step
 
-_EXPORTING = False  # set by :func:`exporting` while torch.export traces a patched model
-
-
-@contextlib.contextmanager
-def exporting():
-    """Mark a torch.export trace of a patched model for :func:`is_exporting` (``ltmp.export`` does)."""
-    global _EXPORTING
-    before, _EXPORTING = _EXPORTING, True
-    try:
-        yield
-    finally:
-        _EXPORTING = before
-
-
 #: torch.compiler.is_exporting tells export from compile only from torch 2.14: before, Dynamo replaced the call by
-#: a constant True, also under torch.compile (pytorch/pytorch#176347, fixed by #176499).
+#: a constant True, also under torch.compile (pytorch/pytorch#176347, fixed by #176499); ``ltmp.export`` sets
+#: ``ReduceConfig.exporting`` whatever the version.
 _TORCH_IS_EXPORTING_EXACT = torch.torch_version.TorchVersion(torch.__version__) >= (2, 14)
-
-
-def is_exporting() -> bool:
-    """True while torch.export traces the model: inside :func:`exporting`, or where ``torch.compiler.is_exporting``
-    says so on torch >= 2.14."""
-    fn = getattr(torch.compiler, "is_exporting", None)
-    return _EXPORTING or (_TORCH_IS_EXPORTING_EXACT and fn is not None and bool(fn()))
 
 
 def plan(cfg: ReduceConfig, training: bool, device: str, keep_one: bool) -> Plan:
     """The forward's plan, from the mode, the method, the device type and whether the head reads the patch tokens
     (``keep_one``): read once, passed to every block."""
-    symbolic = is_exporting()
+    symbolic = cfg.exporting or (_TORCH_IS_EXPORTING_EXACT and torch.compiler.is_exporting())
     tracing = torch.compiler.is_compiling() or torch.jit.is_tracing()
-    return Plan(train=training, static=not (training or cfg.learned), symbolic=symbolic,
-                compiling=tracing and not symbolic, keep_one=keep_one, tuning=TUNING.get(device, TUNING["default"])
-                if not tracing else TUNING["default"])  # fmt: skip
+    return Plan(
+        train=training,
+        static=not (training or cfg.learned),
+        symbolic=symbolic,
+        compiling=tracing and not symbolic,
+        keep_one=keep_one,
+        tuning=TUNING.get("default" if tracing else device, TUNING["default"]),
+    )
 
 
 #: Device-dependent speed choices (none changes results), with the measurement behind each. A device type not
@@ -81,8 +65,16 @@ TUNING: dict[str, dict] = {
 }
 
 
-def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, size: Tensor, keep: Tensor | None,
-              rows: Tensor | None, merged: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+def attention(
+    plan: Plan,
+    view: BlockView,
+    cfg: ReduceConfig,
+    qkv: Tensor,
+    size: Tensor,
+    keep: Tensor | None,
+    rows: Tensor | None,
+    merged: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Attention of eq. 5-7 on a (padded) batch: ``qkv`` (b, n, 3 * H * D), token sizes (b, n) (0 at padding),
     ``keep`` (b, n) the keys that count (straight-through in train mode; None: all with a size), ``rows`` (b, n)
     eq. 17's query rows (None: all), ``merged``: sizes may differ from 1 (proportional attention).
@@ -110,8 +102,9 @@ def attention(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, size:
     return o.transpose(1, 2).reshape(b, n, -1), importance, metric
 
 
-def attend(plan: Plan, view: BlockView, cfg: ReduceConfig, y: Tensor, state: TokenState
-           ) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+def attend(
+    plan: Plan, view: BlockView, cfg: ReduceConfig, y: Tensor, state: TokenState
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """:func:`attention` on the token layout: train mode's (B, N, C) batch with its keep mask, or eval's rows
     (T, C) as the batch padded to its longest image (padding keys masked; on the CPU in groups of images of
     similar counts where that pays, :func:`attend_in_groups`).
@@ -136,8 +129,9 @@ def attend(plan: Plan, view: BlockView, cfg: ReduceConfig, y: Tensor, state: Tok
     return L.take(o.view(B * N, -1)), importance, metric
 
 
-def plan_groups(counts: list[int], pair_cost: float, group_cost: float, max_groups: int
-                ) -> list[tuple[list[int], int]] | None:  # fmt: skip
+def plan_groups(
+    counts: list[int], pair_cost: float, group_cost: float, max_groups: int
+) -> list[tuple[list[int], int]] | None:
     """Groups of the images of a padded batch by token count, so that attention runs on less padding: images
     sorted by count, split into at most ``max_groups`` consecutive groups of least total cost, an image costing
     ``pair_cost * n^2`` for the ``n`` tokens of its group's longest image and each group ``group_cost``.
@@ -151,8 +145,11 @@ def plan_groups(counts: list[int], pair_cost: float, group_cost: float, max_grou
     best = {(0, 0): (0.0, 0)}  # (groups, end) -> (least cost of that many groups of the images before end, start)
     for g in range(1, max_groups + 1):
         for e in ends:
-            costs = [(best[g - 1, s][0] + (e - s) * pair_cost * c[e - 1] ** 2 + group_cost, s)
-                     for s in [0, *ends] if s < e and (g - 1, s) in best]  # fmt: skip
+            costs = [
+                (best[g - 1, s][0] + (e - s) * pair_cost * c[e - 1] ** 2 + group_cost, s)
+                for s in [0, *ends]
+                if s < e and (g - 1, s) in best
+            ]
             if costs:
                 best[g, e] = min(costs)
     g = min(range(1, max_groups + 1), key=lambda g: best.get((g, len(c)), (np.inf,))[0])
@@ -164,8 +161,9 @@ def plan_groups(counts: list[int], pair_cost: float, group_cost: float, max_grou
     return groups[::-1] if len(groups) > 1 else None
 
 
-def attend_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, state: TokenState,
-                     groups: list[tuple[list[int], int]]) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+def attend_in_groups(
+    plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor, state: TokenState, groups: list[tuple[list[int], int]]
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Eval on the CPU (``TUNING``): :func:`attention` of the rows (T, 3 * H * D) in groups of images
     ``[(image indices, length), ...]`` (:func:`plan_groups`), each padded to its longest image.
 
@@ -181,8 +179,9 @@ def attend_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor
         rows = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i] + c) for i, c in zip(images, counts)]))
         sub = Layout(len(images), n, torch.arange(n) < torch.tensor(counts)[:, None], counts)  # the group's layout
         keep = None if state.merged_once else sub.real
-        o, imp, met = attention(plan, view, cfg, sub.pad(qkv[rows]), sub.pad(state.size[rows]), keep, sub.real,
-                                state.merged_once)  # fmt: skip
+        o, imp, met = attention(
+            plan, view, cfg, sub.pad(qkv[rows]), sub.pad(state.size[rows]), keep, sub.real, state.merged_once
+        )
         out[rows] = sub.take(o.view(len(images) * n, -1))
         sel = torch.tensor(images)[:, None]  # (b, 1)
         if imp is not None:
@@ -194,8 +193,9 @@ def attend_in_groups(plan: Plan, view: BlockView, cfg: ReduceConfig, qkv: Tensor
     return out, importance, metric
 
 
-def block(plan: Plan, view: BlockView, blk: nn.Module, x: Tensor, state: TokenState, cfg: ReduceConfig,
-          layer: int, rate: int) -> tuple[Tensor, TokenState, StepResult]:  # fmt: skip
+def block(
+    plan: Plan, view: BlockView, blk: nn.Module, x: Tensor, state: TokenState, cfg: ReduceConfig, layer: int, rate: int
+) -> tuple[Tensor, TokenState, StepResult]:
     """A pre-norm block with the reduction step between attention and MLP (the paper's Figure 2)."""
     y = view.norm1(x)  # (B, N, C) or (T, C)
     o, importance, metric = attend(plan, view, cfg, y, state)
@@ -230,12 +230,10 @@ def encode(model: nn.Module, x: Tensor, taps: Sequence[int] = ()) -> tuple[Tenso
     size = torch.ones(B, N, dtype=ops.wide(x.dtype), device=x.device)  # (B, N)
     source = torch.eye(N, dtype=size.dtype, device=x.device).expand(B, N, N) if cfg.trace_source else None
     track = Track.start(x, cfg.dense_fill) if taps else None
-    if p.train:
-        state = TokenState(size, Layout(B, N), source=source, track=track)
-    else:  # rows (T, C)
-        x = x.reshape(B * N, C)
+    if not p.train:  # rows (T, C), (T,), (T, N)
+        x, size = x.reshape(B * N, C), size.view(-1)
         source = None if source is None else source.reshape(B * N, N)
-        state = TokenState(size.view(-1), Layout(B, N), source=source, track=track)
+    state = TokenState(size, Layout(B, N), source=source, track=track)
     run = partial(checkpoint, block, use_reentrant=False) if p.train and adapter.checkpointing(model) else block
     steps, padded, traced, tapped = [], [N], [], {}
     for i, blk in enumerate(blocks):
@@ -250,8 +248,17 @@ def encode(model: nn.Module, x: Tensor, taps: Sequence[int] = ()) -> tuple[Tenso
     out = _padded(state, p)
     x = x if p.train else state.layout.pad(x)  # (B, N', C)
     if not (p.symbolic or torch.jit.is_tracing()):  # exported graphs have no record (their counts are symbolic)
-        model.ltmp_record = Record(cfg.method, padded, N - cfg.num_prefix, cfg.num_prefix, steps, size.dtype,
-                                   x.device, B, *(_traced(traced, cfg.num_prefix) if traced else ()))  # fmt: skip
+        model.ltmp_record = Record(
+            cfg.method,
+            padded,
+            N - cfg.num_prefix,
+            cfg.num_prefix,
+            steps,
+            size.dtype,
+            x.device,
+            B,
+            *(_traced(traced, cfg.num_prefix) if traced else ()),
+        )
         if p.train and steps[0].kept_frac.requires_grad:
             model.ltmp_record.counts()  # built now, with its gradients, whatever mode a first read is in
     return x, out, tapped
@@ -267,8 +274,12 @@ def refuse_hooks(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
             hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
             if all(adapter.library_hook(h) for d in hooks for h in d.values()):
                 continue  # the family's own machinery (transformers' output recorders), replaced by the forward
-            name = next(f"blocks[{i}]" + (f".{n}" if n else "") for i, b in enumerate(blocks)
-                        for n, sub in b.named_modules() if sub is m)  # fmt: skip
+            name = next(
+                f"blocks[{i}]" + (f".{n}" if n else "")
+                for i, b in enumerate(blocks)
+                for n, sub in b.named_modules()
+                if sub is m
+            )
             raise LtmpError(
                 f"{name} has a hook, which a patched model would not run on its tokens (a block is one reduction "
                 f"step on packed rows); remove it, and read per-block outputs with forward_intermediates (dense), "

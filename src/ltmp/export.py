@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -21,7 +22,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .engine import exporting
 from .errors import LtmpError, first_line
 from .thresholds import atomic_write
 
@@ -37,6 +37,21 @@ class _Batch1(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
+
+
+@contextlib.contextmanager
+def exporting(model: nn.Module):
+    """Mark a torch.export trace of ``model`` (``ReduceConfig.exporting``): whatever ``torch.compiler.is_exporting``
+    says, a patched model then runs its branch-free step, with symbolic counts."""
+    cfg = getattr(model, "ltmp_config", None)
+    before = cfg is not None and cfg.exporting
+    if cfg is not None:
+        cfg.exporting = True
+    try:
+        yield
+    finally:
+        if cfg is not None:
+            cfg.exporting = before
 
 
 class _Program(nn.Module):
@@ -79,10 +94,10 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
         raise LtmpError("export takes one example image (batch 1): the exported model runs one image at a time")
     path = Path(path)
     _require_space(model, path)
-    model = _Batch1(model).eval()
+    plain, model = model, _Batch1(model).eval()
     with torch.no_grad():
         if fmt == "export":
-            with exporting():  # the branch-free batch-1 step, whatever torch.compiler.is_exporting says
+            with exporting(plain):
                 program = torch.export.export(model, (example,))
             atomic_write(path, lambda tmp: torch.export.save(program, tmp))
         elif fmt == "onnx":
@@ -92,7 +107,7 @@ def export_model(model: nn.Module, example: torch.Tensor, fmt: str, path: str | 
                 raise LtmpError(
                     "ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript"
                 ) from None
-            with exporting():
+            with exporting(plain):
                 atomic_write(
                     path,
                     lambda tmp: torch.onnx.export(

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from .adapters import adapter_for
 from .config import METHODS
 from .errors import LtmpError
+from .step import static_counts
 
 
 @dataclasses.dataclass
@@ -179,17 +180,14 @@ def budget_loss_value(r_flops: Tensor, r_target: float) -> Tensor:
 
 
 def schedule_counts(method: str, schedule: Sequence[int], num_patches: int, keep_one: bool = False) -> list[int]:
-    """Patch tokens left after each block under a fixed-rate method's per-layer schedule.
-
-    ToMe merges ``min(r, t // 2)`` (at most half the tokens are in set A); top-k pruning removes ``min(k, t)``
-    (``min(k, t - 1)`` for models that keep one patch token, see ``ltmp.patching.keeps_one``); ``topk-mp`` merges,
-    then prunes, ``k`` each.
+    """Patch tokens left after each block under a fixed-rate method's per-layer schedule, by the counts the
+    forward itself uses (``ltmp.step.static_counts``): ToMe merges ``min(r, t // 2)``; top-k pruning removes
+    ``min(k, t)`` (``min(k, t - 1)`` for models that keep one patch token, see ``ltmp.patching.keeps_one``);
+    ``topk-mp`` merges, then prunes, ``k`` each.
     """
-    ops_ = METHODS[method][0]
     t, counts = num_patches, []
     for r in schedule:
-        for op in ops_:
-            t -= min(r, t // 2) if op == "merge" else min(r, t - int(keep_one))
+        t -= sum(static_counts(METHODS[method][0], t, r, keep_one))
         counts.append(t)
     return counts
 

@@ -33,20 +33,24 @@ def exact(device_type: str):
     return torch.autocast(device_type, enabled=False) if on else contextlib.nullcontext()
 
 
-def threshold_mask(scores: Tensor, threshold: Tensor, tau: float, soft: bool) -> Tensor:
-    """Threshold masking module, eq. 1-2: ``scores > threshold`` (eq. 1), and with ``soft`` as a straight-through
-    estimator whose backward is the gradient of ``sigmoid((scores - threshold) / tau)`` (eq. 2). The form
-    ``hard + (soft - soft.detach())`` keeps the forward value exactly 0 or 1, so train and eval decide alike.
+def threshold_mask(scores: Tensor, threshold: Tensor, tau: float, soft: bool) -> tuple[Tensor, Tensor | None]:
+    """Threshold masking module, eq. 1-2: ``scores > threshold`` (eq. 1), and with ``soft`` also as a
+    straight-through estimator whose backward is the gradient of ``sigmoid((scores - threshold) / tau)`` (eq. 2).
+    The form ``hard + (soft - soft.detach())`` keeps the forward value exactly 0 or 1, so train and eval decide
+    alike.
 
     Args:
         scores: Any shape. threshold: a scalar (an ``nn.Parameter``). tau: temperature of eq. 2.
-        soft: train mode: the straight-through form in the promoted dtype; else a bool mask.
+        soft: train mode: also the straight-through form, in the promoted dtype.
+
+    Returns:
+        The bool mask, and the straight-through mask with ``soft`` (else None); both shaped as ``scores``.
     """
     hard = scores > threshold  # (...)
     if not soft:
-        return hard
+        return hard, None
     s = torch.sigmoid((scores - threshold) / tau)  # (...)
-    return hard.to(s.dtype) + (s - s.detach())
+    return hard, hard.to(s.dtype) + (s - s.detach())
 
 
 def key_bias(keep: Tensor | None, log_size: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -58,8 +62,9 @@ def key_bias(keep: Tensor | None, log_size: Tensor | None, dtype: torch.dtype) -
     return bias
 
 
-def masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, dropout: float = 0.0
-                     ) -> tuple[Tensor, Tensor]:  # fmt: skip
+def masked_attention(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, dropout: float = 0.0
+) -> tuple[Tensor, Tensor]:
     """Attention with masked keys and proportional attention, eq. 5-7, for hard masks (train mode's straight-through
     masks: :func:`soft_masked_attention`).
 
@@ -81,8 +86,16 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor
     return p.to(v.dtype) @ v, probs  # (B, H, N, D), (B, H, N, N)
 
 
-def soft_masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor, log_size: Tensor | None,
-                          dropout: float = 0.0, mask_grad: str = "secant") -> tuple[Tensor, Tensor]:  # fmt: skip
+def soft_masked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    keep: Tensor,
+    log_size: Tensor | None,
+    dropout: float = 0.0,
+    mask_grad: str = "secant",
+) -> tuple[Tensor, Tensor]:
     """:func:`masked_attention` with a straight-through mask ``keep`` (B, N) (train mode): the mask multiplies in
     eq. 6, so gradients reach it and the thresholds behind it (:class:`MaskedSoftmax`); the same forward."""
     attn = ((q * scale) @ k.transpose(-2, -1)).to(wide(q.dtype))  # (B, H, N, N)
@@ -173,8 +186,9 @@ def importance(probs: Tensor, rows: Tensor | None, kind: str) -> Tensor:
         return (w[:, None, :] @ probs.mean(dim=1)).squeeze(1)  # (B, N)
 
 
-def match(metric: Tensor, blocked: Tensor | None, first: tuple[int, int] = (0, 1), pad: bool = False
-          ) -> tuple[Tensor, Tensor]:  # fmt: skip
+def match(
+    metric: Tensor, blocked: Tensor | None, first: tuple[int, int] = (0, 1), pad: bool = False
+) -> tuple[Tensor, Tensor]:
     """ToMe's bipartite matching on tokens in order: set A is every other position from ``first[0]``, set B every
     other one from ``first[1]``, and each A token's score is its highest cosine similarity with a B token (the first
     on ties). Similarities are float32 at least, also under autocast: bf16 rounds them to steps of 1/256 near 1,
@@ -232,8 +246,9 @@ def group_max(importance: Tensor, src: Tensor, dst: Tensor, stays: Tensor) -> Te
     return importance.scatter_reduce(1, dst, moved, reduce="amax", include_self=True)  # (B, N)
 
 
-def merge_rows(x: Tensor, size: Tensor, rows: Tensor, n: int, extra: Tensor | None = None
-               ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+def merge_rows(
+    x: Tensor, size: Tensor, rows: Tensor, n: int, extra: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """ToMe's merge: the rows of x (M, C) with their sizes (M,) summed into rows ``rows`` (M,) of an output of ``n``
     rows, each output row the size-weighted average of the rows it receives (in the sizes' dtype, at least float32
     and at least x's), its size their sum. ``extra`` (M, K) rows are summed (which patches a token covers). An

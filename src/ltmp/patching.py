@@ -89,18 +89,18 @@ def patch(
         The same model object, patched. It returns what the unpatched model returns (logits for timm, the
         family's output object for transformers, embeddings for OpenCLIP).
     """
-    if method not in METHODS:
-        raise LtmpError(f"unknown method '{method}'; choose one of: {', '.join(METHODS)}")
-    if importance not in ("mean", "cls"):
-        raise LtmpError(f"unknown importance '{importance}'; choose 'mean' (eq. 17) or 'cls' (eq. 16)")
+    choices = {
+        "method": (method, METHODS),
+        "importance": (importance, ("mean", "cls")),  # eq. 17, eq. 16
+        "mask_grad": (mask_grad, ops.MASK_GRADS),
+        "merge_grad": (merge_grad, MERGE_GRADS),
+        "dense_fill": (dense_fill, DENSE_FILLS),
+    }
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise LtmpError(f"unknown {name} '{value}'; choose one of: {', '.join(allowed)}")
     if not float(tau) > 0:
         raise LtmpError(f"tau is the temperature of eq. 2's sigmoid and must be > 0, got {tau}")
-    if mask_grad not in ops.MASK_GRADS:
-        raise LtmpError(f"unknown mask_grad '{mask_grad}'; choose one of: {', '.join(ops.MASK_GRADS)}")
-    if merge_grad not in MERGE_GRADS:
-        raise LtmpError(f"unknown merge_grad '{merge_grad}'; choose one of: {', '.join(MERGE_GRADS)}")
-    if dense_fill not in DENSE_FILLS:
-        raise LtmpError(f"unknown dense_fill '{dense_fill}'; choose one of: {', '.join(DENSE_FILLS)}")
     adapter = adapter_for(model, check=True)  # every check comes before the model changes
     blks = adapter.blocks(model)
     depth = len(blks)

@@ -149,8 +149,17 @@ class Merge(NamedTuple):
     cand: Tensor | None  # (B, K) bool, set-A tokens that may merge (None: every one)
 
 
-def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, alive: Tensor | None, in_order: bool,
-                 threshold: Tensor | None, rate: int, importance: Tensor | None) -> Merge:  # fmt: skip
+def decide_merge(
+    cfg: ReduceConfig,
+    plan: Plan,
+    layer: int,
+    metric: Tensor,
+    alive: Tensor | None,
+    in_order: bool,
+    threshold: Tensor | None,
+    rate: int,
+    importance: Tensor | None,
+) -> Merge:
     """ToMe's matching over the survivors in order (A/B alternate over them, prefix tokens never merge or receive),
     then eq. 1: an A token merges into its most similar B token where the similarity passes the threshold, or for
     fixed rates where it is among the ``rate`` best matched (ties to the earlier position; eval: every image's).
@@ -177,24 +186,30 @@ def decide_merge(cfg: ReduceConfig, plan: Plan, layer: int, metric: Tensor, aliv
         imp = None if importance is None else importance.gather(1, src).detach().cpu()
         cfg.capture(Captured(layer, "merge", score.detach().cpu(), cand.cpu(), imp, threshold))
     if cfg.learned:
-        mask = ops.threshold_mask(score, threshold, cfg.tau, soft=plan.train)  # (B, Na) eq. 1-2 (0 outside cand)
+        hard, mask = ops.threshold_mask(score, threshold, cfg.tau, soft=plan.train)  # (B, Na) eq. 1-2 (0 outside cand)
     else:  # the k best matched, k = min(rate, |A|, |B|) per image
         rank = ops.rank(score, largest=True)  # (B, Na)
         if plan.static:  # eval: ``rate`` is what every image merges (static_counts)
             return Merge(src, dst, None, None, rank >= rate, cand)
         k = torch.minimum(cand.sum(1), alive[:, first[1] :: 2].sum(1)).clamp(max=rate)[:, None]  # (B, 1) train
-        mask = (rank < k).to(torch.float32)  # (B, Na)
-    hard = mask if mask.dtype == torch.bool else mask.detach() > 0.5
+        hard = rank < k  # (B, Na)
+        mask = hard.to(torch.float32)
     return Merge(src, dst, mask, hard, ~hard, cand)
 
 
-def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, alive: Tensor | None,
-                 threshold: Tensor | None, rate: int) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
+def decide_prune(
+    cfg: ReduceConfig,
+    plan: Plan,
+    layer: int,
+    importance: Tensor,
+    alive: Tensor | None,
+    threshold: Tensor | None,
+    rate: int,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Which surviving patch tokens ``alive`` (B, N) (None: every token) are pruned: those whose importance does not
-    pass the threshold
-    (eq. 1), or for fixed rates the ``rate`` least important (ties to the earlier position; in eval ``rate`` is the
-    count every image prunes, :func:`static_counts`). With ``keep_one`` an image's most important candidate is
-    spared when every candidate would go.
+    pass the threshold (eq. 1), or for fixed rates the ``rate`` least important (ties to the earlier position; in
+    eval ``rate`` is the count every image prunes, :func:`static_counts`). With ``keep_one`` an image's most
+    important candidate is spared when every candidate would go.
 
     Returns:
         The pruned tokens (B, N) bool (among the survivors), the candidates (B, N) bool, and in train mode the
@@ -211,9 +226,8 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
             return rank < rate, cand, None
         drop = rank < (cand.sum(1, keepdim=True) - int(plan.keep_one)).clamp(0, rate)  # (B, N)
         return drop, cand, (~drop).to(importance.dtype)
-    kept = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) eq. 1-2
-    soft = None if kept.dtype == torch.bool else kept
-    drop = cand & ~(kept if soft is None else kept.detach() > 0.5)  # (B, N)
+    kept, soft = ops.threshold_mask(importance, threshold, cfg.tau, soft=plan.train)  # (B, N) each, eq. 1-2
+    drop = cand & ~kept  # (B, N)
     if plan.keep_one:  # never prune an image's last patch token: spare its most important one
         top = importance.detach().masked_fill(~cand, float("-inf")).argmax(1, keepdim=True)  # (B, 1)
         everything = drop.sum(1, keepdim=True) == cand.sum(1, keepdim=True)  # (B, 1)
@@ -223,23 +237,28 @@ def decide_prune(cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor, 
     return drop, cand, soft
 
 
-def static_counts(cfg: ReduceConfig, n: int, rate: int, keep_one: bool) -> tuple[int, int]:
-    """The tokens a fixed rate merges and prunes in every image, from the ``n`` entering (eval: static shapes)."""
-    n_merged = tome_k(rate, n, cfg.set_starts) if "merge" in cfg.ops else 0
-    n_cand = n - n_merged - cfg.num_prefix
-    n_pruned = min(rate, n_cand) - int(keep_one and 0 < n_cand <= rate) if "prune" in cfg.ops else 0
-    return n_merged, n_pruned
+def static_counts(ops_: tuple[str, ...], t: int, rate: int, keep_one: bool) -> tuple[int, int]:
+    """The tokens a fixed rate merges and prunes in every image from the ``t`` patch tokens entering a block (eval:
+    static shapes; ``ltmp.flops.schedule_counts``): ToMe's matching pairs at most ``t // 2`` (set A and set B
+    alternate over the patch tokens, ``ReduceConfig.set_starts``), then the ``rate`` least important of the rest
+    go, one always left with ``keep_one``."""
+    merged = min(rate, t // 2) if "merge" in ops_ else 0
+    pruned = max(0, min(rate, t - merged - int(keep_one))) if "prune" in ops_ else 0
+    return merged, pruned
 
 
-def tome_k(rate: int, n: int, starts: tuple[int, int]) -> int:
-    """Tokens a fixed rate merges from ``n`` tokens: at most ``rate``, and at most set A's and set B's size
-    (every other position from their ``starts``, ``ReduceConfig.set_starts``)."""
-    return min(rate, len(range(starts[0], n, 2)), len(range(starts[1], n, 2)))
-
-
-def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, layer: int, importance: Tensor | None,
-                metric: Tensor | None, merge_threshold: Tensor | None, prune_threshold: Tensor | None, rate: int
-                ) -> tuple[Tensor, TokenState, StepResult]:  # fmt: skip
+def reduce_step(
+    x: Tensor,
+    state: TokenState,
+    cfg: ReduceConfig,
+    plan: Plan,
+    layer: int,
+    importance: Tensor | None,
+    metric: Tensor | None,
+    merge_threshold: Tensor | None,
+    prune_threshold: Tensor | None,
+    rate: int,
+) -> tuple[Tensor, TokenState, StepResult]:
     """Merge and/or prune one block's tokens, between its attention and its MLP: decide, then apply.
 
     Args:
@@ -255,27 +274,36 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
     else:
         alive = L.real
     in_order = not plan.train or cfg.train_order == "reference"  # (reference order: A/B over all positions)
-    static = (
-        static_counts(cfg, N, rate, plan.keep_one) if plan.static else None
-    )  # fixed rates in eval: the exact counts
-    decisions = []
+    # fixed rates in eval: the exact counts
+    static = static_counts(cfg.ops, N - cfg.num_prefix, rate, plan.keep_one) if plan.static else None
+    decisions = {}  # op -> its decision, in the method's order
     for op in cfg.ops:
         if op == "merge":
-            m = decide_merge(cfg, plan, layer, metric, alive, in_order, merge_threshold,
-                             rate if static is None else static[0], importance)  # fmt: skip
+            m = decide_merge(
+                cfg,
+                plan,
+                layer,
+                metric,
+                alive,
+                in_order,
+                merge_threshold,
+                rate if static is None else static[0],
+                importance,
+            )
             stays = m.stays if alive is None else alive.gather(1, m.src) & m.stays  # (B, Na)
             alive = torch.ones(B, N, dtype=torch.bool, device=x.device) if alive is None else alive
             alive = alive.scatter(1, m.src, stays)  # (B, N)
             if importance is not None and cfg.ops[-1] == "prune":  # a merged group's importance, for pruning
                 importance = ops.group_max(importance, m.src, m.dst, m.stays)  # (B, N)
-            decisions.append(m)
+            decisions[op] = m
         else:
-            drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold,
-                                            rate if static is None else static[1])  # fmt: skip
+            drop, cand, soft = decide_prune(
+                cfg, plan, layer, importance, alive, prune_threshold, rate if static is None else static[1]
+            )
             alive = ~drop if alive is None else alive & ~drop  # (B, N)
             # (ltpm) a merge after pruning splits A/B over the survivors, not the positions
             in_order = plan.train and cfg.train_order == "reference"
-            decisions.append((drop, cand, soft))
+            decisions[op] = (drop, cand, soft)
     if not plan.train:
         return _apply_rows(x, state, cfg, plan, decisions, alive, static)
     out, state, result = _apply_masks(x, state, cfg, decisions)  # (B, N, C)
@@ -286,7 +314,7 @@ def reduce_step(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, lay
     return out, state, result
 
 
-def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: list) -> tuple:
+def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: dict) -> tuple:
     """Train mode: the decisions as straight-through masks, every token kept in place.
 
     A merge adds each A token's size-weighted value into its B token with the merge mask as its weight (the
@@ -300,8 +328,8 @@ def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: lis
     entering = torch.ones_like(size) if state.keep is None else state.keep  # (B, N)
     factor = touched = None
     merged = pruned = 0
-    for d in decisions:
-        if isinstance(d, Merge):
+    for op, d in decisions.items():
+        if op == "merge":
             w = d.mask if cfg.merge_grad == "average" else d.mask.detach()  # (B, K)
             K = d.src.shape[1]
             # every token stays in its row; each A token also joins its target's row with weight w
@@ -334,8 +362,9 @@ def _apply_masks(x: Tensor, state: TokenState, cfg: ReduceConfig, decisions: lis
     keep = torch.where(touched, factor, entering)  # (B, N) eq. 3
     patch_keep = keep[:, cfg.num_prefix :]  # (B, N - P)
     result = StepResult(merged=merged, pruned=pruned, kept=(patch_keep > 0.5).sum(1), kept_frac=patch_keep.sum(1))
-    state = dataclasses.replace(state, size=size, keep=keep, source=source,
-                                merged_once=state.merged_once or "merge" in cfg.ops)  # fmt: skip
+    state = dataclasses.replace(
+        state, size=size, keep=keep, source=source, merged_once=state.merged_once or "merge" in cfg.ops
+    )
     return x, state, result
 
 
@@ -354,25 +383,33 @@ def _reorder(x: Tensor, state: TokenState, cfg: ReduceConfig) -> tuple[Tensor, T
     if track is not None:  # flat positions b * N + j -> b * N + (j's new position)
         N, at = x.shape[1], track.at.clamp(min=0)  # (B * N0,)
         track = Track(torch.where(track.at >= 0, at - at % N + order.argsort()[at % N], -1), track.last)
-    return put(x), dataclasses.replace(state, size=put(state.size), keep=put(state.keep), source=put(state.source),
-                                       track=track)  # fmt: skip
+    return put(x), dataclasses.replace(
+        state, size=put(state.size), keep=put(state.keep), source=put(state.source), track=track
+    )
 
 
-def _follow_masks(x: Tensor, state: TokenState, decisions: list) -> TokenState:
+def _follow_masks(x: Tensor, state: TokenState, decisions: dict) -> TokenState:
     """Train mode's dense-output track after a step on x (B, N, C) (the tokens entering it): each position's token
     is now its own, or its merge target's, if that is kept."""
     B, N, _ = x.shape
     target = torch.arange(N, device=x.device).expand(B, N)  # (B, N)
-    for m in decisions:
-        if isinstance(m, Merge):
-            target = target.scatter(1, m.src, torch.where(m.hard, m.dst, m.src))  # (B, N)
+    m = decisions.get("merge")
+    if m is not None:
+        target = target.scatter(1, m.src, torch.where(m.hard, m.dst, m.src))  # (B, N)
     kept = (state.keep > 0.5).gather(1, target)  # (B, N)
     to = torch.where(kept, target + torch.arange(B, device=x.device)[:, None] * N, -1)  # (B, N) flat, -1 removed
     return dataclasses.replace(state, track=follow(state.track, x.reshape(B * N, -1), to.view(-1)))
 
 
-def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, decisions: list, alive: Tensor,
-                static: tuple[int, int] | None) -> tuple:  # fmt: skip
+def _apply_rows(
+    x: Tensor,
+    state: TokenState,
+    cfg: ReduceConfig,
+    plan: Plan,
+    decisions: dict,
+    alive: Tensor,
+    static: tuple[int, int] | None,
+) -> tuple:
     """Eval mode: the survivors ``alive`` (B, N) keep their order and become the new rows, image by image; a merged
     token joins its target's row, and each new row is the size-weighted average of the rows it receives (a target
     pruned in the same block takes its group along). One sum of rows into rows does the merging and the
@@ -380,8 +417,7 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
     read back from the device, the step's one host synchronisation."""
     L = state.layout
     B, N, P = L.batch, L.length, cfg.num_prefix
-    merge = next((d for d in decisions if isinstance(d, Merge)), None)
-    drop = next((d[0] for d in decisions if not isinstance(d, Merge)), None)
+    merge, prune = decisions.get("merge"), decisions.get("prune")
     if static is not None:  # fixed rates: every image removes the same number of tokens
         n_new = N - sum(static)
         counts, result = None, StepResult(*static, kept=n_new - P, kept_frac=n_new - P)
@@ -392,7 +428,7 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
             torch._check(c >= 0)
             torch._check(c <= N)
         kept = [c - P for c in counts]
-        merged, pruned = (0 if merge is None else merge.hard), (0 if drop is None else drop)
+        merged, pruned = (0 if merge is None else merge.hard), (0 if prune is None else prune[0])
         result = StepResult(merged=merged, pruned=pruned, kept=kept, kept_frac=kept)
         n_new = max(counts)
     flat = alive.view(-1)  # (B * N,)
@@ -401,10 +437,9 @@ def _apply_rows(x: Tensor, state: TokenState, cfg: ReduceConfig, plan: Plan, dec
         at = slot.view(B, N)
         at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill(merge.stays, 0))
     T_new = B * n_new if counts is None else sum(counts)
-    track = (
-        None if state.track is None else follow(state.track, x, L.take(slot) - 1, not (plan.symbolic or plan.compiling))
-    )
-    x, size, source = ops.merge_rows(x, state.size, L.take(slot), T_new + 1, state.source)
+    rows = L.take(slot)  # (T,) each row's new row, from 1
+    track = None if state.track is None else follow(state.track, x, rows - 1, not (plan.symbolic or plan.compiling))
+    x, size, source = ops.merge_rows(x, state.size, rows, T_new + 1, state.source)
     if counts is None or B == 1 or (not plan.compiling and all(c == n_new for c in counts)):
         layout = Layout(B, n_new)
     else:  # (under torch.compile a padded layout always: a check of equal counts would guard on the counts)

@@ -19,8 +19,19 @@ from .hf import HF
 from .open_clip import OPEN_CLIP
 from .timm import TIMM
 
-__all__ = ["Adapter", "BlockView", "identity", "adapter_for", "supported", "mean_pool", "pool_bias", "linear_macs",
-           "conv_macs", "norm_macs", "ADAPTERS"]  # fmt: skip
+__all__ = [
+    "Adapter",
+    "BlockView",
+    "identity",
+    "adapter_for",
+    "supported",
+    "mean_pool",
+    "pool_bias",
+    "linear_macs",
+    "conv_macs",
+    "norm_macs",
+    "ADAPTERS",
+]
 
 #: The families, in the order a model is offered to them.
 ADAPTERS: list[Adapter] = [TIMM, HF, OPEN_CLIP]

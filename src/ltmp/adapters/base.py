@@ -13,8 +13,17 @@ from torch import Tensor, nn
 from .. import ops
 from ..config import BlockView, identity
 
-__all__ = ["Adapter", "BlockView", "identity", "mean_pool", "pool_bias", "zero_padding", "linear_macs", "conv_macs",
-           "norm_macs"]  # fmt: skip
+__all__ = [
+    "Adapter",
+    "BlockView",
+    "identity",
+    "mean_pool",
+    "pool_bias",
+    "zero_padding",
+    "linear_macs",
+    "conv_macs",
+    "norm_macs",
+]
 
 
 def linear_macs(*mods: nn.Module | None) -> float:

@@ -79,10 +79,19 @@ class TimmAdapter(Adapter):
             o = a.norm(o) if getattr(a, "gate", None) is None else a.norm(o) * a.gate(y).sigmoid()
             return blk.drop_path1(blk.ls1(a.proj_drop(a.proj(o))))
 
-        return BlockView(norm1=blk.norm1, qkv=a.qkv, heads=a.num_heads, head_dim=a.head_dim, scale=a.scale,
-                         attn_drop=a.attn_drop.p if a.training else 0.0, out=out,
-                         mlp=lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))), q_norm=a.q_norm,
-                         k_norm=a.k_norm, fused=bool(a.fused_attn))  # fmt: skip
+        return BlockView(
+            norm1=blk.norm1,
+            qkv=a.qkv,
+            heads=a.num_heads,
+            head_dim=a.head_dim,
+            scale=a.scale,
+            attn_drop=a.attn_drop.p if a.training else 0.0,
+            out=out,
+            mlp=lambda t: blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(t)))),
+            q_norm=a.q_norm,
+            k_norm=a.k_norm,
+            fused=bool(a.fused_attn),
+        )
 
     def num_prefix(self, model: nn.Module) -> int:
         return int(model.num_prefix_tokens)
@@ -151,11 +160,19 @@ class TimmAdapter(Adapter):
             x, state, dense = last_tap(model, encode, _embed(model, x))
             return model.norm(dense) if dense is not None else zero_padding(model.norm(x), state)
 
-        def forward_intermediates(model, x: Tensor, indices: int | Sequence[int] | None = None,
-                                  return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
-                                  output_fmt: str = "NCHW", intermediates_only: bool = False,
-                                  output_dict: bool = False, attn_mask: Tensor | None = None,
-                                  is_causal: bool = False):  # fmt: skip
+        def forward_intermediates(
+            model,
+            x: Tensor,
+            indices: int | Sequence[int] | None = None,
+            return_prefix_tokens: bool = False,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = "NCHW",
+            intermediates_only: bool = False,
+            output_dict: bool = False,
+            attn_mask: Tensor | None = None,
+            is_causal: bool = False,
+        ):
             """timm's ``forward_intermediates`` on the reduced forward, per patch: each block's output (and the
             final features) as dense outputs (``ltmp.patch``'s ``dense_output``), so that every output has the
             unpatched model's shape. The reduction runs every block (``stop_early`` changes nothing)."""
