@@ -1256,13 +1256,17 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
             verdict.setdefault(r["method"], []).append((name, res["even"]))
     pending = [n for n in reference.get("planned", []) if n not in reference["runs"]]
     if pending:
-        L += ["", f"Pending: {', '.join(pending)} (`{COMMANDS['A']}` resumes them)."]
+        L += ["", f"Pending: {', '.join(pending)} ({COMMANDS['A']} resumes them)."]
     for method, fx in fixed_name.items():
         met = verdict.get(method, [])
         runs = [n for n, r in reference["runs"].items() if r["method"] == method and n in evens]
-        kept = [n for n in runs if n not in collapsed] or runs
+        kept = [n for n in runs if n not in collapsed]
+        verdict[method + "-gone"] = [n for n in runs if n in collapsed]
         if not met and not runs:
             text, v = "not run", "no verdict"
+        elif not met and not kept:
+            text, v = f"every run collapsed ({', '.join(runs)})", "no verdict"
+            verdict[method + "-runs"] = []
         elif not met:  # the run that came closest to the budget, at the GMACs it reached
             name = min(kept, key=lambda n: abs(reference["runs"][n]["r_flops"] - reference["r_target"]))
             closest = evens[name]
@@ -1277,7 +1281,6 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
             )
             v += f" at r_FLOPs {reference['runs'][name]['r_flops']:.2f} (budget not met)"
             verdict[method + "-runs"] = [(reference["runs"][n]["r_flops"], n, evens[n]) for n in kept]
-            verdict[method + "-gone"] = [n for n in runs if n not in kept]
         else:
             best_name, best = max(met, key=lambda nr: nr[1]["diff"])
             text = f"{best_name}: {fmt(best)}"
@@ -1285,7 +1288,7 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
         S.append(
             (
                 f"A. the authors' {method.upper()} vs {fx} at its GMACs (r_target {reference['r_target']}, "
-                f"{len(runs)} learning rates)",
+                f"{len(runs)} learning-rate settings)",
                 "+1.7" if method == "ltp" else "+1.0 (vs top-k)",
                 text,
                 v,
@@ -1295,13 +1298,15 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
         L.append("")
         L.append(f"**{method.upper()}**: " + text + f" ({v}).")
     ltp = verdict.get("ltp", [])
-    if not ltp and verdict.get("ltp-runs"):
+    if not ltp and "ltp-runs" in verdict:
         runs = sorted(verdict["ltp-runs"], reverse=True)  # by r_FLOPs, least reduction first
         each = "; ".join(f"{n} at r_FLOPs {r:.2f}: {fmt(d)}" for r, n, d in runs)
         level = [(r, n) for r, n, d in runs if d["diff"] >= 0 or d["holm"] >= 0.05]
         gone = verdict["ltp-gone"]
         hint = (
-            "Where it is not below top-k pruning at its own GMACs ("
+            "No run that kept tokens in every block is left to compare."
+            if not runs
+            else "Where it is not below top-k pruning at its own GMACs ("
             + ", ".join(f"{n}, r {r:.2f}" for r, n in level)
             + "), this project's LTP is below it at similar budgets (claims 2 and 8): a hint, not a test at the same "
             "budget, that the gap is this project's recipe or code rather than the model."
@@ -1311,10 +1316,10 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
         )
         L.append("")
         L.append(
-            f"**No verdict at r_target {reference['r_target']}.** No run of the authors' LTP met the budget. Each "
-            f"against top-k pruning at the same GMACs: {each}."
+            f"**No verdict at r_target {reference['r_target']}.** No run of the authors' LTP met the budget."
+            + (f" Each against top-k pruning at the same GMACs: {each}." if runs else "")
             + (
-                f" Left out: {', '.join(gone)}, which prunes every patch token of an image in one block."
+                f" Left out, collapsed (each prunes every patch token of every image in one block): {', '.join(gone)}."
                 if gone
                 else ""
             )
