@@ -29,8 +29,10 @@ stops short of the budget and at 100x it prunes every patch token in one block),
    counterpart (``topk-prune`` for LTP, ToMe for LTMP) at matched GMACs with an even schedule and with the run's own
    mean per-block counts (``ltmp eval --match-gmacs`` / ``--follow``), paired image by image.
 
-Resumable: each run's training and evaluation is kept under ``--runs``. ``results/reference.json`` holds what
-docs/results.md shows (``benchmarks/reproduce.py --render`` renders the section from it).
+Resumable: each run's training and evaluation is kept under ``--runs``; a run already in ``--json`` whose folder is
+not there (measured on another machine) is kept as recorded, so delete its entry to measure it again.
+``results/reference.json`` holds what docs/results.md shows (``benchmarks/reproduce.py --render`` renders the
+section from it).
 """
 
 from __future__ import annotations
@@ -275,8 +277,12 @@ def summarize(args) -> dict:
         "num_patches": spec.num_patches, "planned": [name for name, _, _ in runs_of()],
         "machine": f"x86_64 CPU, {torch.get_num_threads()} threads, torch {torch.__version__}", "runs": {},
     }  # fmt: skip
+    recorded = json.loads(Path(args.json).read_text())["runs"] if Path(args.json).exists() else {}
     for name, method, scale in runs_of():
         folder = runs / name
+        if name in recorded and not (folder / "test.json").exists():  # measured before, elsewhere: kept as it is
+            out["runs"][name] = recorded[name]
+            continue
         if args.only and name not in args.only and not (folder / "test.json").exists():
             continue  # not asked for this time, and not run before
         if not (folder / "last.pth.tar").exists():
