@@ -13,8 +13,8 @@
 (it imports wandb unconditionally and needs timm 0.9.5: timm 1.x passes its blocks arguments they do not take).
 
 For each of LTP and LTMP at r_target 0.5, and for its learning-rate settings (the paper's 5e-6 prune / 5e-3 merge
-scaled to the run's length as ``ltmp train`` scales them, 10x those, and for LTP also 30x and 100x, since at 10x it
-stops short of the budget and at 100x it prunes every patch token in one block), this script:
+scaled to the run's length as ``ltmp train`` scales them, 10x those, and for LTP also 15x to 100x: at 10x it stops
+short of the budget, at 30x and 100x it prunes every patch token in one block), this script:
 
 1. trains with the authors' ``tools/train.py`` itself, on the CIFAR-10 train split, with its own recipe (label
    smoothing 0.1, plain SGD, its 2% hold-out, timm's augmentation, thresholds clamped to [0, 1], the prune mask
@@ -53,25 +53,13 @@ R_TARGET = 0.5
 PAPER_LR = {"prune": 5e-6, "merge": 5e-3}  # paper section 4, for one ImageNet epoch
 PAPER_STEPS = 9809  # that epoch's steps of batch 128 (ltmp.train.PAPER_STEPS)
 STEPS = 382  # the reference's epoch here: 98% of the 50,000 training images in batches of 128, last one dropped
-SCALES = {
-    "scaled": 1.0,
-    "10x": 10.0,
-    "30x": 30.0,
-    "100x": 100.0,
-}  # learning rates: the paper's times PAPER_STEPS / STEPS, times
+#: learning-rate settings: the paper's rates times PAPER_STEPS / STEPS ("scaled"), and multiples of those
+SCALES = {"scaled": 1.0, "10x": 10.0, "15x": 15.0, "20x": 20.0, "30x": 30.0, "100x": 100.0}
 METHODS = {"ltp": "topk-prune", "ltmp": "tome"}  # learned method -> its fixed-rate counterpart
-METHOD_SCALES = {
-    "ltp": ("scaled", "10x", "30x", "100x"),
-    "ltmp": ("scaled", "10x"),
-}  # LTMP's 10x merge rate is 1.3 already
-PRIORITY = (
-    "ltp-100x",
-    "ltmp-10x",
-    "ltp-30x",
-    "ltmp-scaled",
-    "ltp-10x",
-    "ltp-scaled",
-)  # the runs likeliest to decide come first
+#: the settings each method runs at (LTMP's merge rate at 10x is 1.3 already)
+METHOD_SCALES = {"ltp": ("scaled", "10x", "15x", "20x", "30x", "100x"), "ltmp": ("scaled", "10x")}
+#: the order of the runs, the likeliest to decide first
+PRIORITY = ("ltp-100x", "ltmp-10x", "ltp-30x", "ltp-10x", "ltp-scaled", "ltp-20x", "ltp-15x", "ltmp-scaled")
 SEED = 0
 
 
