@@ -106,11 +106,12 @@ def fit_threshold(threshold: Tensor, scores: Tensor, fraction: float, largest: b
     """Set a threshold so that the given fraction of ``scores`` passes it: the largest scores for merging (eq. 1:
     merge where ``score > threshold``), the smallest for pruning. One batch's quantiles stand in for learned
     thresholds (not in the paper)."""
-    if fraction <= 0 or scores.numel() == 0:
-        threshold.fill_(math.inf if largest else -math.inf)
-        return
-    q = 1.0 - fraction if largest else fraction
-    threshold.fill_(torch.quantile(scores.double().flatten(), min(max(q, 0.0), 1.0)).item())
+    with torch.no_grad():  # a threshold is a leaf parameter
+        if fraction <= 0 or scores.numel() == 0:
+            threshold.fill_(math.inf if largest else -math.inf)
+            return
+        q = 1.0 - fraction if largest else fraction
+        threshold.fill_(torch.quantile(scores.detach().double().flatten(), min(max(q, 0.0), 1.0)).item())
 
 
 def _bisect(r_at, lo: float, hi: float, increasing: bool, r_target: float, iters: int) -> float:

@@ -139,11 +139,11 @@ class StepResult:
 
 
 class Merge(NamedTuple):
-    """A merge decision: the set-A tokens at ``src`` (B, K) that ``mask`` selects join the tokens at ``dst``."""
+    """A merge decision: the set-A tokens at ``src`` (B, K) that ``hard`` selects join the tokens at ``dst``."""
 
     src: Tensor  # (B, K) positions of the set-A tokens
     dst: Tensor  # (B, K) positions of their most similar set-B tokens
-    mask: Tensor | None  # (B, K) merged: bool, or in train mode straight-through 0/1 values (eq. 1-2)
+    mask: Tensor | None  # (B, K) train mode: merged as straight-through 0/1 values (eq. 1-2); eval: None
     hard: Tensor | None  # (B, K) bool, merged (fixed rates in eval decide only ``stays``)
     stays: Tensor  # (B, K) bool, not merged
     cand: Tensor | None  # (B, K) bool, set-A tokens that may merge (None: every one)
