@@ -1257,38 +1257,37 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
     pending = [n for n in reference.get("planned", []) if n not in reference["runs"]]
     if pending:
         L += ["", f"Pending: {', '.join(pending)} ({COMMANDS['A']} resumes them)."]
+
+    def compared(method: str) -> tuple[list[str], list[str]]:
+        """A method's runs with a comparison: those that kept tokens in every block, and the collapsed ones."""
+        runs = [n for n, r in reference["runs"].items() if r["method"] == method and n in evens]
+        return [n for n in runs if n not in collapsed], [n for n in runs if n in collapsed]
+
+    def word(d: dict, fx: str) -> str:
+        return (("beats" if d["diff"] > 0 else "loses to") + f" {fx}") if d["holm"] < 0.05 else f"level with {fx}"
+
+    r_of = {n: r["r_flops"] for n, r in reference["runs"].items()}
     for method, fx in fixed_name.items():
         met = verdict.get(method, [])
-        runs = [n for n, r in reference["runs"].items() if r["method"] == method and n in evens]
-        kept = [n for n in runs if n not in collapsed]
-        verdict[method + "-gone"] = [n for n in runs if n in collapsed]
-        if not met and not runs:
+        kept, gone = compared(method)
+        if not met and not kept + gone:
             text, v = "not run", "no verdict"
         elif not met and not kept:
-            text, v = f"every run collapsed ({', '.join(runs)})", "no verdict"
-            verdict[method + "-runs"] = []
+            text, v = f"every run collapsed ({', '.join(gone)})", "no verdict"
         elif not met:  # the run that came closest to the budget, at the GMACs it reached
-            name = min(kept, key=lambda n: abs(reference["runs"][n]["r_flops"] - reference["r_target"]))
-            closest = evens[name]
+            name = min(kept, key=lambda n: abs(r_of[n] - reference["r_target"]))
             text = (
                 f"no run met the budget (r_FLOPs within {BUDGET_SLACK} of {reference['r_target']}); closest, "
-                f"{name} at r_FLOPs {reference['runs'][name]['r_flops']:.3f}: {fmt(closest)}"
+                f"{name} at r_FLOPs {r_of[name]:.3f}: {fmt(evens[name])}"
             )
-            v = (
-                ("beats" if closest["diff"] > 0 else "loses to") + f" {fx}"
-                if closest["holm"] < 0.05
-                else f"level with {fx}"
-            )
-            v += f" at r_FLOPs {reference['runs'][name]['r_flops']:.2f} (budget not met)"
-            verdict[method + "-runs"] = [(reference["runs"][n]["r_flops"], n, evens[n]) for n in kept]
+            v = word(evens[name], fx) + f" at r_FLOPs {r_of[name]:.2f} (budget not met)"
         else:
             best_name, best = max(met, key=lambda nr: nr[1]["diff"])
-            text = f"{best_name}: {fmt(best)}"
-            v = ("beats" if best["diff"] > 0 else "loses to") + f" {fx}" if best["holm"] < 0.05 else f"level with {fx}"
+            text, v = f"{best_name}: {fmt(best)}", word(best, fx)
         S.append(
             (
                 f"A. the authors' {method.upper()} vs {fx} at its GMACs (r_target {reference['r_target']}, "
-                f"{len(runs)} learning-rate settings)",
+                f"{len(kept + gone)} learning-rate settings)",
                 "+1.7" if method == "ltp" else "+1.0 (vs top-k)",
                 text,
                 v,
@@ -1298,22 +1297,28 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
         L.append("")
         L.append(f"**{method.upper()}**: " + text + f" ({v}).")
     ltp = verdict.get("ltp", [])
-    if not ltp and "ltp-runs" in verdict:
-        runs = sorted(verdict["ltp-runs"], reverse=True)  # by r_FLOPs, least reduction first
+    kept, gone = compared("ltp")
+    if not ltp and kept + gone:
+        runs = sorted(((r_of[n], n, evens[n]) for n in kept), reverse=True)  # least reduction first
         each = "; ".join(f"{n} at r_FLOPs {r:.2f}: {fmt(d)}" for r, n, d in runs)
         level = [(r, n) for r, n, d in runs if d["diff"] >= 0 or d["holm"] >= 0.05]
-        gone = verdict["ltp-gone"]
-        hint = (
-            "No run that kept tokens in every block is left to compare."
-            if not runs
-            else "Where it is not below top-k pruning at its own GMACs ("
-            + ", ".join(f"{n}, r {r:.2f}" for r, n in level)
-            + "), this project's LTP is below it at similar budgets (claims 2 and 8): a hint, not a test at the same "
-            "budget, that the gap is this project's recipe or code rather than the model."
-            if level
-            else "Every run is below top-k pruning at its own GMACs, as this project's LTP is (claims 2 and 8): a "
-            "hint, not a test at the same budget, that the gap belongs to the model."
-        )
+        caveat = "hint, not a test at the same budget, that the gap "
+        if not runs:
+            hint = "No run that kept tokens in every block is left to compare."
+        elif level:
+            hint = (
+                "Where it is not below top-k pruning at its own GMACs ("
+                + ", ".join(f"{n}, r {r:.2f}" for r, n in level)
+                + "), this project's LTP is below it at similar budgets (claims 2 and 8): a "
+                + caveat
+                + "is this project's recipe or code rather than the model."
+            )
+        else:
+            hint = (
+                "Every run is below top-k pruning at its own GMACs, as this project's LTP is (claims 2 and 8): a "
+                + caveat
+                + "belongs to the model."
+            )
         L.append("")
         L.append(
             f"**No verdict at r_target {reference['r_target']}.** No run of the authors' LTP met the budget."
