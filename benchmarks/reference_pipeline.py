@@ -27,7 +27,11 @@ short of the budget, at 30x and 100x it prunes every patch token in one block), 
    pruned and kept tokens; and the accuracy its training script reports (the masked training model);
 3. in this project's environment: GMACs from those counts (``ltmp.flops``), and on the same images the fixed-rate
    counterpart (``topk-prune`` for LTP, ToMe for LTMP) at matched GMACs with an even schedule and with the run's own
-   mean per-block counts (``ltmp eval --match-gmacs`` / ``--follow``), paired image by image.
+   mean per-block counts (``ltmp eval --match-gmacs`` / ``--follow``), paired image by image;
+4. for the settings in ``OURS``, the same with this project's code (runs ``ours-<setting>``): ``ltmp train --recipe
+   paper`` at the same learning rates, budget, seed and epoch, ``ltmp eval`` of its thresholds on the same test
+   images, and the same two comparisons. With model, recipe and rates held equal, what differs from the authors'
+   run is the code's.
 
 Resumable: each run's training and evaluation is kept under ``--runs``; a run already in ``--json`` whose folder is
 not there (measured on another machine) is kept as recorded, so delete its entry to measure it again.
@@ -58,15 +62,21 @@ SCALES = {"scaled": 1.0, "10x": 10.0, "15x": 15.0, "20x": 20.0, "30x": 30.0, "10
 METHODS = {"ltp": "topk-prune", "ltmp": "tome"}  # learned method -> its fixed-rate counterpart
 #: the settings each method runs at (LTMP's merge rate at 10x is 1.3 already)
 METHOD_SCALES = {"ltp": ("scaled", "10x", "15x", "20x", "30x", "100x"), "ltmp": ("scaled", "10x")}
+#: this project's ``ltmp train --recipe paper`` at the same settings ("ours-" runs): the same model, budget, recipe
+#: and learning rates, trained and evaluated by this project's code, so that a difference from the authors' run is
+#: the code's, not the recipe's
+OURS = ("ltp-10x", "ltp-scaled")
 #: the order of the runs, the likeliest to decide first
 PRIORITY = ("ltp-100x", "ltmp-10x", "ltp-30x", "ltp-10x", "ltp-scaled", "ltp-20x", "ltp-15x", "ltmp-scaled")
 SEED = 0
 
 
 def runs_of() -> list[tuple[str, str, str]]:
-    """(name, method, learning-rate setting) of every run, in the order they are run."""
+    """(name, method, learning-rate setting) of every run, in the order they are run: the authors' code's, then
+    this project's at the same settings (``OURS``)."""
     runs = [(f"{m}-{s}", m, s) for m in METHODS for s in METHOD_SCALES[m]]
-    return sorted(runs, key=lambda r: PRIORITY.index(r[0]))
+    runs = sorted(runs, key=lambda r: PRIORITY.index(r[0]))
+    return runs + [(f"ours-{name}", m, s) for name, m, s in runs if name in OURS]
 
 
 def learning_rates(scale: str) -> tuple[float, float]:
@@ -273,28 +283,38 @@ def summarize(args) -> dict:
             continue
         if args.only and name not in args.only and not (folder / "test.json").exists():
             continue  # not asked for this time, and not run before
-        if not (folder / "last.pth.tar").exists():
-            _ref(args, "train", name, method, scale, data)
-        if not (folder / "test.json").exists():
-            _ref(args, "eval", name, method, scale, data)
-        t = json.loads((folder / "test.json").read_text())
-        kept = torch.tensor(t["kept"], dtype=torch.float64)  # (images, blocks)
-        g = ltmp.gmacs(spec, kept)  # (images,)
-        frac = torch.cat([torch.ones(len(kept), 1, dtype=kept.dtype), kept / spec.num_patches], 1)  # (images, L + 1)
-        r = r_flops_from_fracs(frac, spec.num_patches, spec.embed_dim, spec.mlp_hidden)  # (images,) eq. 13
-        merged, pruned = np.array(t["merged"], dtype=float), np.array(t["pruned"], dtype=float)
-        ours = t["correct"]
-        theirs = {  # what ltmp eval --follow reads of an eval JSON
-            "method": method, "top1": 100 * ours.count("1") / len(ours), "correct": ours, "gmacs": float(g.mean()),
-            "per_layer": [{"merged": float(m), "pruned": float(p)} for m, p in zip(merged.mean(0), pruned.mean(0))],
-        }  # fmt: skip
-        (folder / "schedule.json").write_text(json.dumps(theirs))
+        ours = name.startswith("ours-")  # this project's code at the same recipe and rates
+        if ours:
+            learned = train_ours(folder, method, scale)  # its eval JSON
+            t = {"thresholds": learned["thresholds"], "masked_correct": None}
+            r_flops = learned["r_flops"]
+        else:
+            if not (folder / "last.pth.tar").exists():
+                _ref(args, "train", name, method, scale, data)
+            if not (folder / "test.json").exists():
+                _ref(args, "eval", name, method, scale, data)
+            t = json.loads((folder / "test.json").read_text())
+            kept = torch.tensor(t["kept"], dtype=torch.float64)  # (images, blocks)
+            g = ltmp.gmacs(spec, kept)  # (images,)
+            frac = torch.cat([torch.ones(len(kept), 1, dtype=kept.dtype), kept / spec.num_patches], 1)  # (images, L+1)
+            r = r_flops_from_fracs(frac, spec.num_patches, spec.embed_dim, spec.mlp_hidden)  # (images,) eq. 13
+            r_flops = float(r.mean())
+            merged, pruned = np.array(t["merged"], dtype=float), np.array(t["pruned"], dtype=float)
+            learned = {  # what ltmp eval --follow reads of an eval JSON
+                "method": method,
+                "top1": 100 * t["correct"].count("1") / len(t["correct"]),
+                "correct": t["correct"],
+                "gmacs": float(g.mean()),
+                "per_layer": [{"merged": float(m), "pruned": float(p)} for m, p in zip(merged.mean(0), pruned.mean(0))],
+            }
+            (folder / "schedule.json").write_text(json.dumps(learned))
+        correct = learned["correct"]
         base = ["eval", "--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA),
                 "--val-split", "test", "--method", METHODS[method]]  # fmt: skip
         rows = {}
         for kind, flags in (
-            ("even", ["--match-gmacs", str(theirs["gmacs"])]),
-            ("own", ["--follow", str(folder / "schedule.json")]),
+            ("even", ["--match-gmacs", str(learned["gmacs"])]),
+            ("own", ["--follow", str(folder / ("test.json" if ours else "schedule.json"))]),
         ):
             path = folder / f"{METHODS[method]}-{kind}.json"
             if not path.exists():
@@ -304,26 +324,45 @@ def summarize(args) -> dict:
                     path.write_text(json.dumps({"error": f"{METHODS[method]} cannot follow this schedule"}))
             row = json.loads(path.read_text())
             rows[kind] = row if "error" in row else compact(row)
+        masked = t["masked_correct"]
         entry = {
             "method": method, "scale": scale, "lr": dict(zip(("prune", "merge"), learning_rates(scale))),
-            "thresholds": t["thresholds"], "top1": 100 * ours.count("1") / len(ours),
-            "masked_top1": 100 * t["masked_correct"].count("1") / len(t["masked_correct"]),
-            "gmacs": theirs["gmacs"], "gmacs_dense": ltmp.dense_gmacs(spec), "r_flops": float(r.mean()),
-            "per_layer": theirs["per_layer"],
-            "correct": pack(ours),
+            "code": "ltmp" if ours else "reference", "thresholds": t["thresholds"],
+            "top1": 100 * correct.count("1") / len(correct),
+            "masked_top1": None if masked is None else 100 * masked.count("1") / len(masked),
+            "gmacs": learned["gmacs"], "gmacs_dense": ltmp.dense_gmacs(spec), "r_flops": r_flops,
+            "per_layer": learned["per_layer"],
+            "correct": pack(correct),
             "baselines": {},
         }  # fmt: skip
         for kind, row in rows.items():
             if "error" in row:
                 entry["baselines"][kind] = row
                 continue
-            diff = image_test([(1.0, [ours]), (-1.0, [unpack(row["correct"])])])
+            diff = image_test([(1.0, [correct]), (-1.0, [unpack(row["correct"])])])
             entry["baselines"][kind] = {"top1": row["top1"], "gmacs": row["gmacs"], "correct": row["correct"], **diff}
         out["runs"][name] = entry
         order = [n for n, _, _ in sorted(runs_of(), key=lambda r: (r[1], SCALES[r[2]]))]
         out["runs"] = {n: out["runs"][n] for n in order if n in out["runs"]}
         write_json(args.json, out)
     return out
+
+
+def train_ours(folder: Path, method: str, scale: str) -> dict:
+    """This project's ``ltmp train --recipe paper`` at a setting's learning rates (the same model, budget, seed and
+    epoch as the authors' run), then ``ltmp eval`` of its thresholds on the test images: the eval JSON."""
+    from common import run
+
+    prune_lr, merge_lr = learning_rates(scale)
+    model = ["--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA)]
+    if not (folder / "thresholds.safetensors").exists():  # resumes an interrupted run
+        run(["train", *model, "--recipe", "paper", "--method", method, "--lr-prune", repr(prune_lr),
+             "--lr-merge", repr(merge_lr), "--r-target", str(R_TARGET), "--seed", str(SEED),
+             "--output", str(folder)])  # fmt: skip
+    if not (folder / "test.json").exists():
+        run([*["eval", *model], "--val-split", "test", "--method", method, "--thresholds",
+             str(folder / "thresholds.safetensors"), "--json", str(folder / "test.json")])  # fmt: skip
+    return json.loads((folder / "test.json").read_text())
 
 
 def write_json(path: str, result: dict) -> None:

@@ -1210,6 +1210,7 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
     if reference is None:
         return L + ["pending: `python benchmarks/reference_pipeline.py` has not written `results/reference.json`."]
     fixed_name = {"ltmp": "ToMe", "ltp": "top-k pruning"}
+    runs = {n: r for n, r in reference["runs"].items() if r.get("code", "reference") == "reference"}
     L += [
         f"The authors' training script (`tools/train.py` of github Mxbonn/ltmp at {reference['reference'][:7]}, "
         "on timm 0.9.5 in an environment of its own) trained the thresholds of this model for one epoch "
@@ -1227,7 +1228,7 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     verdict, evens, collapsed = {}, {}, set()
-    for name, r in reference["runs"].items():
+    for name, r in runs.items():
         res = {}
         for kind, base in r["baselines"].items():
             if "error" not in base:
@@ -1254,19 +1255,19 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
         evens[name] = res["even"]
         if abs(r["r_flops"] - reference["r_target"]) <= BUDGET_SLACK:
             verdict.setdefault(r["method"], []).append((name, res["even"]))
-    pending = [n for n in reference.get("planned", []) if n not in reference["runs"]]
+    pending = [n for n in reference.get("planned", []) if n not in runs and not n.startswith("ours-")]
     if pending:
         L += ["", f"Pending: {', '.join(pending)} ({COMMANDS['A']} resumes them)."]
 
     def compared(method: str) -> tuple[list[str], list[str]]:
         """A method's runs with a comparison: those that kept tokens in every block, and the collapsed ones."""
-        runs = [n for n, r in reference["runs"].items() if r["method"] == method and n in evens]
-        return [n for n in runs if n not in collapsed], [n for n in runs if n in collapsed]
+        names = [n for n, r in runs.items() if r["method"] == method and n in evens]
+        return [n for n in names if n not in collapsed], [n for n in names if n in collapsed]
 
     def word(d: dict, fx: str) -> str:
         return (("beats" if d["diff"] > 0 else "loses to") + f" {fx}") if d["holm"] < 0.05 else f"level with {fx}"
 
-    r_of = {n: r["r_flops"] for n, r in reference["runs"].items()}
+    r_of = {n: r["r_flops"] for n, r in runs.items()}
     for method, fx in fixed_name.items():
         met = verdict.get(method, [])
         kept, gone = compared(method)
@@ -1345,6 +1346,49 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
                 "the same GMACs on this model, where ours loses to it (claims 2 and 8): "
                 "[training.md](training.md) bisects the recipe for the difference that matters."
             )
+    return L + same_recipe(reference, tests)
+
+
+def same_recipe(reference: dict, tests: Tests) -> list[str]:
+    """Section A's runs of this project's code (``ours-<setting>``): ``ltmp train --recipe paper`` at the setting's
+    learning rates, against the authors' run at the same setting, each measured by its gap to top-k pruning at its
+    own GMACs."""
+    ours = {n: r for n, r in reference["runs"].items() if r.get("code") == "ltmp"}
+    planned = [n for n in reference.get("planned", []) if n.startswith("ours-")]
+    if not ours and not planned:
+        return []
+    L = [
+        "",
+        "### The same recipe with this project's code",
+        "",
+        "`ltmp train --recipe paper` at the same learning rates, budget, seed and epoch (`ours-<setting>`), its "
+        "thresholds evaluated by `ltmp eval` on the same test images. With the model, the recipe and the rates held "
+        "equal, a difference from the authors' run at that setting is the code's. Each run is measured by its gap "
+        "to top-k pruning at its own GMACs (even schedule), and the two gaps are compared image by image.",
+        "",
+        "| setting | lr prune / merge | r_FLOPs: ours / authors' | top-1: ours / authors' | pruned per image: ours "
+        "/ authors' | ours - top-k (95% CI, Holm p) | authors' - top-k | ours' gap - authors' gap (95% CI, Holm p) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in planned:
+        setting = name.removeprefix("ours-")
+        r, a = ours.get(name), reference["runs"].get(setting)
+        if r is None or a is None or "correct" not in r["baselines"].get("even", {}):
+            L.append(f"| {setting} | pending | | | | | | |")
+            continue
+
+        def gap(run: dict) -> tuple[dict, dict]:  # the run and top-k at its GMACs, as image_test reads them
+            return {"correct": unpack(run["correct"])}, {"correct": unpack(run["baselines"]["even"]["correct"])}
+
+        own, theirs = gap(r), gap(a)
+        vs_topk = tests.run(("A", name, "even"), [(1.0, [own[0]["correct"]]), (-1.0, [own[1]["correct"]])])
+        vs_theirs = gaps(tests, ("A", name, "vs-authors"), [own], [theirs])
+        pruned = [sum(x["pruned"] for x in run["per_layer"]) for run in (r, a)]
+        L.append(
+            f"| {setting} | {r['lr']['prune']:.3g} / {r['lr']['merge']:.3g} | {r['r_flops']:.3f} / "
+            f"{a['r_flops']:.3f} | {r['top1']:.2f} / {a['top1']:.2f} | {pruned[0]:.1f} / {pruned[1]:.1f} | "
+            f"{fmt(vs_topk)} | {a['baselines']['even']['diff']:+.2f} | {fmt(vs_theirs)} |"
+        )
     return L
 
 
