@@ -208,7 +208,7 @@ def match(
     u = metric.to(wide(metric.dtype))
     u = u / u.norm(dim=-1, keepdim=True)  # (B, N, D)
     with exact(u.device.type):
-        sim = u[:, first[0] :: 2] @ u[:, first[1] :: 2].transpose(1, 2)  # (B, Na, Nb)
+        sim = torch.bmm(u[:, first[0] :: 2], u[:, first[1] :: 2].transpose(1, 2))  # (B, Na, Nb)
     if blocked is not None:
         sim = sim.masked_fill(blocked, float("-inf"))
     if pad or sim.shape[-1] == 0:

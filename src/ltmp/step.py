@@ -432,7 +432,7 @@ def _apply_rows(
         result = StepResult(merged=merged, pruned=pruned, kept=kept, kept_frac=kept)
         n_new = max(counts)
     flat = alive.view(-1)  # (B * N,)
-    slot = torch.where(flat, flat.cumsum(0), 0)  # (B * N,) survivors' new rows from 1, 0 (cut) the others
+    slot = flat.cumsum(0) * flat  # (B * N,) survivors' new rows from 1, 0 (cut) the others
     if merge is not None:  # a merged token joins its target's row (row 0 if the target was pruned)
         at = slot.view(B, N)
         at.scatter_add_(1, merge.src, at.gather(1, merge.dst).masked_fill(merge.stays, 0))
