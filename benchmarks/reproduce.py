@@ -1370,6 +1370,7 @@ def same_recipe(reference: dict, tests: Tests) -> list[str]:
         "/ authors' | ours - top-k (95% CI, Holm p) | authors' - top-k | ours' gap - authors' gap (95% CI, Holm p) |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    done = []  # (setting, our run, the authors' run, the test of their gaps)
     for name in planned:
         setting = name.removeprefix("ours-")
         r, a = ours.get(name), reference["runs"].get(setting)
@@ -1389,6 +1390,18 @@ def same_recipe(reference: dict, tests: Tests) -> list[str]:
             f"{a['r_flops']:.3f} | {r['top1']:.2f} / {a['top1']:.2f} | {pruned[0]:.1f} / {pruned[1]:.1f} | "
             f"{fmt(vs_topk)} | {a['baselines']['even']['diff']:+.2f} | {fmt(vs_theirs)} |"
         )
+        done.append((setting, r, a, vs_theirs))
+    for setting, r, a, d in done:
+        if d["holm"] >= 0.05:
+            word = "level with the authors' (the code is not where the two differ at this setting)"
+        else:
+            word = ("better" if d["diff"] > 0 else "worse") + " than the authors' (the difference is the code's)"
+        L += [
+            "",
+            f"**{setting}**: with the authors' recipe and rates, this project's code reaches r_FLOPs "
+            f"{r['r_flops']:.3f} (the authors' {a['r_flops']:.3f}), and its gap to top-k pruning at its GMACs is "
+            f"{word}: {fmt(d)}.",
+        ]
     return L
 
 
