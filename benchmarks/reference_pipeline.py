@@ -286,6 +286,11 @@ def summarize(args) -> dict:
         ours = name.startswith("ours-")  # this project's code at the same recipe and rates
         if ours:
             learned = train_ours(folder, method, scale)  # its eval JSON
+            if "stopped" in learned:
+                entry = {"method": method, "scale": scale, "lr": dict(zip(("prune", "merge"), learning_rates(scale)))}
+                out["runs"][name] = {**entry, "code": "ltmp", "stopped": learned["stopped"]}
+                write_json(args.json, out)
+                continue
             t = {"thresholds": learned["thresholds"], "masked_correct": None}
             r_flops = learned["r_flops"]
         else:
@@ -350,15 +355,23 @@ def summarize(args) -> dict:
 
 def train_ours(folder: Path, method: str, scale: str) -> dict:
     """This project's ``ltmp train --recipe paper`` at a setting's learning rates (the same model, budget, seed and
-    epoch as the authors' run), then ``ltmp eval`` of its thresholds on the test images: the eval JSON."""
+    epoch as the authors' run), then ``ltmp eval`` of its thresholds on the test images: the eval JSON, or
+    ``{"stopped": why}`` when training stopped (a block that removes every patch token; ``stopped.txt``)."""
     from common import run
 
     prune_lr, merge_lr = learning_rates(scale)
     model = ["--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA)]
-    if not (folder / "thresholds.safetensors").exists():  # resumes an interrupted run
-        run(["train", *model, "--recipe", "paper", "--method", method, "--lr-prune", repr(prune_lr),
-             "--lr-merge", repr(merge_lr), "--r-target", str(R_TARGET), "--seed", str(SEED),
-             "--output", str(folder)])  # fmt: skip
+    stopped = folder / "stopped.txt"
+    if not (folder / "thresholds.safetensors").exists() and not stopped.exists():  # resumes an interrupted run
+        cmd = ["train", *model, "--recipe", "paper", "--method", method, "--lr-prune", repr(prune_lr),
+               "--lr-merge", repr(merge_lr), "--r-target", str(R_TARGET), "--seed", str(SEED),
+               "--output", str(folder)]  # fmt: skip
+        print("$ ltmp " + " ".join(cmd), flush=True)
+        res = subprocess.run([sys.executable, "-m", "ltmp", "--quiet", *cmd], capture_output=True, text=True)
+        if res.returncode:  # its one-line error says why
+            stopped.write_text(res.stderr.strip().splitlines()[-1].removeprefix("ltmp: error: ") + "\n")
+    if stopped.exists():
+        return {"stopped": stopped.read_text().strip()}
     if not (folder / "test.json").exists():
         run([*["eval", *model], "--val-split", "test", "--method", method, "--thresholds",
              str(folder / "thresholds.safetensors"), "--json", str(folder / "test.json")])  # fmt: skip

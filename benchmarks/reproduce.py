@@ -1374,6 +1374,11 @@ def same_recipe(reference: dict, tests: Tests) -> list[str]:
     for name in planned:
         setting = name.removeprefix("ours-")
         r, a = ours.get(name), reference["runs"].get(setting)
+        if r is not None and a is not None and "stopped" in r:
+            L.append(f"| {setting} | {r['lr']['prune']:.3g} / {r['lr']['merge']:.3g} | stopped / {a['r_flops']:.3f} "
+                     f"| | | | {a['baselines']['even']['diff']:+.2f} | |")  # fmt: skip
+            done.append((setting, r, a, None))
+            continue
         if r is None or a is None or "correct" not in r["baselines"].get("even", {}):
             L.append(f"| {setting} | pending | | | | | | |")
             continue
@@ -1392,6 +1397,19 @@ def same_recipe(reference: dict, tests: Tests) -> list[str]:
         )
         done.append((setting, r, a, vs_theirs))
     for setting, r, a, d in done:
+        if d is None:  # training stopped, e.g. on a block that removes every patch token
+            whole = max(x["merged"] + x["pruned"] for x in a["per_layer"]) > reference["num_patches"] - 0.5
+            L += [
+                "",
+                f"**{setting}**: with the authors' recipe and rates, this project's code {r['stopped'].split(';')[0]}. "
+                f"The authors' run at this setting reached r_FLOPs {a['r_flops']:.3f}"
+                + (
+                    ", a block of it removing every patch token."
+                    if whole
+                    else " without such a block: given the same recipe and rates, the two codes train differently."
+                ),  # fmt: skip
+            ]
+            continue
         if d["holm"] >= 0.05:
             word = "level with the authors' (the code is not where the two differ at this setting)"
         else:
