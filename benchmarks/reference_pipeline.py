@@ -21,7 +21,8 @@ short of the budget, at 30x and 100x it prunes every patch token in one block), 
    overwriting the merge mask, ...) and the paper's tau of 0.1 (its command-line default is 0.5). Three shims let
    it run on a CPU, none of which changes what it computes: ``torch.cuda.synchronize`` does nothing, the default
    device of its train and validate loops is the CPU, and its closing fvcore FLOPs count (1,000 images under
-   autocast, a report only) is skipped;
+   autocast, a report only) is skipped. Each optimizer step's thresholds go to the run's ``thresholds.jsonl`` (a
+   step hook that reads them);
 2. evaluates the trained thresholds on the 10,000 test images with the authors' own inference model (tokens really
    removed; batch 1, the only batch it supports), recording each image's prediction and its per-block merged,
    pruned and kept tokens; and the accuracy its training script reports (the masked training model);
@@ -173,6 +174,16 @@ def ref_train(args) -> None:
         "--reduction-target", str(R_TARGET), "--tau", "0.1", "--epochs", "1", "--seed", str(SEED),
         "--no-prefetcher", "-j", "2", "--log-interval", "10", "--output", str(out.parent), "--experiment", out.name,
     ]  # fmt: skip
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    out.mkdir(parents=True, exist_ok=True)
+    trace = (out / "thresholds.jsonl").open("w")  # each optimizer step's thresholds: a record, it changes nothing
+
+    def record(optimizer, *_):
+        trace.write(json.dumps([[float(p) for p in g["params"]] for g in optimizer.param_groups[:2]]) + "\n")
+        trace.flush()
+
+    register_optimizer_step_post_hook(record)
     train.main()
 
 
