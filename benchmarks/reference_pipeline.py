@@ -171,7 +171,7 @@ def ref_train(args) -> None:
     sys.argv = [
         "train.py", args.data, "--model", f"{args.method}_vitcifar", "--pretrained", "--val-split", "test",
         "-b", "128", "--lr", repr(prune_lr), *([repr(merge_lr)] if args.method == "ltmp" else []),
-        "--reduction-target", str(R_TARGET), "--tau", "0.1", "--epochs", "1", "--seed", str(SEED),
+        "--reduction-target", str(R_TARGET), "--tau", "0.1", "--epochs", "1", "--seed", str(args.seed),
         "--no-prefetcher", "-j", "2", "--log-interval", "10", "--output", str(out.parent), "--experiment", out.name,
     ]  # fmt: skip
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -256,9 +256,9 @@ def ref_eval(args) -> None:
 # ------------------------------------------------------------------------------ in this project's environment
 
 
-def _ref(args, stage: str, name: str, method: str, scale: str, data: str) -> None:
+def _ref(args, stage: str, name: str, method: str, scale: str, data: str, seed: int = SEED) -> None:
     cmd = [args.python, str(HERE), "--stage", stage, "--reference", args.reference, "--method", method,
-           "--scale", scale, "--data", data, "--out", str(Path(args.runs) / name)]  # fmt: skip
+           "--scale", scale, "--data", data, "--out", str(Path(args.runs) / name), "--seed", str(seed)]  # fmt: skip
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
@@ -364,28 +364,35 @@ def summarize(args) -> dict:
     return out
 
 
-def train_ours(folder: Path, method: str, scale: str) -> dict:
-    """This project's ``ltmp train --recipe paper`` at a setting's learning rates (the same model, budget, seed and
-    epoch as the authors' run), then ``ltmp eval`` of its thresholds on the test images: the eval JSON, or
-    ``{"stopped": why}`` when training stopped (a block that removes every patch token; ``stopped.txt``)."""
-    from common import run
-
+def ltmp_train(folder: Path, method: str, scale: str, seed: int = SEED) -> str | None:
+    """This project's ``ltmp train --recipe paper`` at a setting's learning rates (the same model, budget and epoch
+    as the authors' run); resumes an interrupted run. Returns why training stopped (its one-line error, kept in
+    ``stopped.txt``: e.g. a block that removes every patch token), or None."""
     prune_lr, merge_lr = learning_rates(scale)
-    model = ["--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA)]
     stopped = folder / "stopped.txt"
-    if not (folder / "thresholds.safetensors").exists() and not stopped.exists():  # resumes an interrupted run
-        cmd = ["train", *model, "--recipe", "paper", "--method", method, "--lr-prune", repr(prune_lr),
-               "--lr-merge", repr(merge_lr), "--r-target", str(R_TARGET), "--seed", str(SEED),
-               "--output", str(folder)]  # fmt: skip
+    if not (folder / "thresholds.safetensors").exists() and not stopped.exists():
+        cmd = ["train", "--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA),
+               "--recipe", "paper", "--method", method, "--lr-prune", repr(prune_lr), "--lr-merge", repr(merge_lr),
+               "--r-target", str(R_TARGET), "--seed", str(seed), "--output", str(folder)]  # fmt: skip
         print("$ ltmp " + " ".join(cmd), flush=True)
         res = subprocess.run([sys.executable, "-m", "ltmp", "--quiet", *cmd], capture_output=True, text=True)
-        if res.returncode:  # its one-line error says why
+        if res.returncode:
             stopped.write_text(res.stderr.strip().splitlines()[-1].removeprefix("ltmp: error: ") + "\n")
-    if stopped.exists():
-        return {"stopped": stopped.read_text().strip()}
+    return stopped.read_text().strip() if stopped.exists() else None
+
+
+def train_ours(folder: Path, method: str, scale: str) -> dict:
+    """:func:`ltmp_train`, then ``ltmp eval`` of its thresholds on the test images: the eval JSON, or
+    ``{"stopped": why}``."""
+    from common import run
+
+    why = ltmp_train(folder, method, scale)
+    if why is not None:
+        return {"stopped": why}
     if not (folder / "test.json").exists():
-        run([*["eval", *model], "--val-split", "test", "--method", method, "--thresholds",
-             str(folder / "thresholds.safetensors"), "--json", str(folder / "test.json")])  # fmt: skip
+        run(["eval", "--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA),
+             "--val-split", "test", "--method", method, "--thresholds", str(folder / "thresholds.safetensors"),
+             "--json", str(folder / "test.json")])  # fmt: skip
     return json.loads((folder / "test.json").read_text())
 
 
@@ -411,6 +418,7 @@ def main() -> None:
     p.add_argument("--scale", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=SEED, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.stage == "train":
         return ref_train(args)

@@ -1,0 +1,83 @@
+"""Given the same recipe and learning rates, does this project's LTP training collapse where the authors' does not?
+
+A collapsed block is one whose prune threshold passes every importance score, so it prunes every patch token of
+every image; the thresholds then get no gradient from the task and the block stays collapsed. At the setting of
+``--scale`` (``benchmarks/reference_pipeline.py``'s learning-rate settings: ``10x`` is 10 times the paper's rates
+scaled to one epoch here), for each seed, this script trains:
+
+- the authors' code: ``reference_pipeline.py``'s train stage (their ``tools/train.py``, its recipe, r_target 0.5,
+  one epoch), whose ``thresholds.jsonl`` keeps every step's thresholds;
+- this project's code: ``ltmp train --recipe paper`` at the same rates, budget and seed, which stops when a block
+  has pruned everything for 10 steps in a row (its ``log.jsonl`` keeps every step's thresholds).
+
+For each run it records how many steps ran, the steps at which some prune threshold was at or above ``HIGH`` (a
+jump that prunes nearly a whole block), and the final thresholds; ``--json`` keeps them. Runs are kept under
+``--runs`` and reused.
+
+    python benchmarks/reference_seeds.py --reference PATH --python REF_PYTHON [--scale 10x] [--seeds 0 1 2]
+        [--runs runs/reference-seeds] [--json results/reference_seeds.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from reference_pipeline import DATA, _ref, learning_rates, ltmp_train, write_json  # noqa: E402
+
+#: a prune threshold at or above this prunes more than 99% of its block's patch tokens: the 99th percentile of every
+#: block's patch-token importance (eq. 17) on the unreduced bundled model is 0.03-0.13 (256 test images, read
+#: through ``ReduceConfig.capture``)
+HIGH = 0.2
+
+
+def summary(steps: list[list[float]]) -> dict:
+    """What a run's per-step prune thresholds (steps x blocks) show."""
+    high = [i + 1 for i, t in enumerate(steps) if max(t) >= HIGH]
+    return {"steps": len(steps), "high_steps": high, "final": [round(t, 4) for t in steps[-1]] if steps else []}
+
+
+def authors(args, folder: Path, seed: int) -> dict:
+    if not (folder / "last.pth.tar").exists():
+        from ltmp import data as ldata
+
+        run = argparse.Namespace(python=args.python, reference=args.reference, runs=str(folder.parent))
+        _ref(run, "train", folder.name, "ltp", args.scale, str(ldata.resolve_root(str(DATA))), seed)
+    return summary([json.loads(line)[0] for line in (folder / "thresholds.jsonl").read_text().splitlines()])
+
+
+def ours(args, folder: Path, seed: int) -> dict:
+    why = ltmp_train(folder, "ltp", args.scale, seed)
+    log = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines()]
+    return {**summary([row["prune"] for row in log if "prune" in row]), "stopped": why}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reference", required=True, help="a checkout of github.com/Mxbonn/ltmp")
+    p.add_argument("--python", required=True, help="the Python of its environment (see reference_pipeline.py)")
+    p.add_argument("--scale", default="10x")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--runs", default=str(HERE.parent / "runs" / "reference-seeds"))
+    p.add_argument("--json", default=str(HERE.parent / "results" / "reference_seeds.json"))
+    args = p.parse_args()
+    runs = Path(args.runs)
+    result = {"scale": args.scale, "lr": dict(zip(("prune", "merge"), learning_rates(args.scale))), "high": HIGH}
+    for seed in args.seeds:
+        for code, fn in (("ours", ours), ("authors", authors)):
+            result[f"{code}-s{seed}"] = r = fn(args, runs / f"{code}-ltp-{args.scale}-s{seed}", seed)
+            print(
+                f"{code} seed {seed}: {r['steps']} steps"
+                + (f", {r['stopped']}" if r.get("stopped") else "")
+                + f"; a threshold >= {HIGH} at {len(r['high_steps'])} steps (first {r['high_steps'][:5]})",
+                flush=True,
+            )
+            write_json(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
