@@ -371,12 +371,15 @@ def ltmp_train(folder: Path, method: str, scale: str, seed: int = SEED) -> str |
     prune_lr, merge_lr = learning_rates(scale)
     stopped = folder / "stopped.txt"
     if not (folder / "thresholds.safetensors").exists() and not stopped.exists():
+        # a checkpoint every 10 steps keeps the folder and its log when training stops early
         cmd = ["train", "--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA),
                "--recipe", "paper", "--method", method, "--lr-prune", repr(prune_lr), "--lr-merge", repr(merge_lr),
-               "--r-target", str(R_TARGET), "--seed", str(seed), "--output", str(folder)]  # fmt: skip
+               "--r-target", str(R_TARGET), "--seed", str(seed), "--output", str(folder),
+               "--checkpoint-every", "10"]  # fmt: skip
         print("$ ltmp " + " ".join(cmd), flush=True)
         res = subprocess.run([sys.executable, "-m", "ltmp", "--quiet", *cmd], capture_output=True, text=True)
         if res.returncode:
+            folder.mkdir(parents=True, exist_ok=True)
             stopped.write_text(res.stderr.strip().splitlines()[-1].removeprefix("ltmp: error: ") + "\n")
     return stopped.read_text().strip() if stopped.exists() else None
 
