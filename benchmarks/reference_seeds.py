@@ -11,8 +11,9 @@ scaled to one epoch here), for each seed, this script trains:
   has pruned everything for 10 steps in a row (its ``log.jsonl`` keeps every step's thresholds).
 
 For each run it records how many steps ran, the steps at which some prune threshold was at or above ``HIGH`` (a
-jump that prunes nearly a whole block), and the final thresholds; ``--json`` keeps them. Runs are kept under
-``--runs`` and reused.
+jump that prunes nearly a whole block), the final thresholds and the blocks whose final threshold is at or above
+``HIGH`` (the authors' code trains on through a collapse; this project's stops); ``--json`` keeps them. Runs are
+kept under ``--runs`` and reused.
 
     python benchmarks/reference_seeds.py --reference PATH --python REF_PYTHON [--scale 10x] [--seeds 0 1 2]
         [--runs runs/reference-seeds] [--json results/reference_seeds.json]
@@ -38,7 +39,9 @@ HIGH = 0.2
 def summary(steps: list[list[float]]) -> dict:
     """What a run's per-step prune thresholds (steps x blocks) show."""
     high = [i + 1 for i, t in enumerate(steps) if max(t) >= HIGH]
-    return {"steps": len(steps), "high_steps": high, "final": [round(t, 4) for t in steps[-1]] if steps else []}
+    final = [round(t, 4) for t in steps[-1]] if steps else []
+    ends = [i + 1 for i, t in enumerate(final) if t >= HIGH]  # blocks still (nearly) emptied at the end
+    return {"steps": len(steps), "high_steps": high, "final": final, "ends_high": ends}
 
 
 def authors(args, folder: Path, seed: int) -> dict:
@@ -73,7 +76,8 @@ def main() -> None:
             print(
                 f"{code} seed {seed}: {r['steps']} steps"
                 + (f", {r['stopped']}" if r.get("stopped") else "")
-                + f"; a threshold >= {HIGH} at {len(r['high_steps'])} steps (first {r['high_steps'][:5]})",
+                + f"; a threshold >= {HIGH} at {len(r['high_steps'])} steps (first {r['high_steps'][:5]}), "
+                f"at the end in blocks {r['ends_high'] or 'none'}",
                 flush=True,
             )
             write_json(args.json, result)
