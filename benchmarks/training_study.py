@@ -166,6 +166,13 @@ PAPER_POINTS: dict[str, dict] = {
         ours="on",
         why="thresholds trained on augmented images miss the budget on clean ones",
     ),
+    "collapse stop": dict(
+        flags=["--no-stop-collapsed"],
+        methods=("ltmp", "ltp"),
+        where="none (tools/train.py trains every step)",
+        ours="stop after 10 steps of a block that removes every patch token",
+        why="a collapsed block's thresholds get almost no gradient; the reference's come back only at high rates",
+    ),
 }
 PAPER = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's
 RECIPE = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "3e-4", "--merge-init", "1.0"]  # reproduce.py

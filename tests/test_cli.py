@@ -16,7 +16,7 @@ import torch
 import ltmp
 from conftest import TINY_ARGS
 from ltmp.bench import allocator
-from ltmp.cli import main
+from ltmp.cli import build_parser, main, train_config
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -446,6 +446,21 @@ def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, ca
     assert len(lines) == 1 and lines[0].startswith("ltmp: error: ") and expect in lines[0], err
     assert "Traceback" not in err
     assert not (out / "thresholds.safetensors").exists() and not (out / "eval.json").exists()
+
+
+def test_no_stop_collapsed_trains_through_a_collapsed_block(tiny_model, tiny_data, tmp_path, capsys):
+    """The run that test_bad_input_gets_one_line_error stops at step 11 (block 1 removes every patch token from
+    step 2 on) trains all its steps with --no-stop-collapsed, as the reference code would, and writes its
+    thresholds; --recipe paper turns the stop off the same way."""
+    out = tmp_path / "run"
+    args = train_args(tiny_model, tiny_data, out, "--steps", "20", "--optimizer", "adam", "--no-stop-collapsed")
+    args[args.index("5e-3")], args[args.index("0.6")] = "1e4", "0.2"
+    code, err = run_cli([*args, "--no-eval", "--no-settle"], capsys)
+    assert code == 0, err
+    steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert steps[-1] == 20 and (out / "thresholds.safetensors").exists()
+    paper = ["train", "--model", "m", "--data-dir", "d", "--output", "o", "--r-target", "0.5", "--recipe", "paper"]
+    assert train_config(build_parser().parse_args(paper)).stop_collapsed is False
 
 
 def test_unreadable_images_are_skipped_and_counted(tiny_model, tiny_data, tmp_path, capsys):

@@ -196,6 +196,7 @@ def train_config(args):
         calibrate=args.calibrate,
         distill=args.distill,
         settle=args.settle,
+        stop_collapsed=args.stop_collapsed,
         batch_size=args.batch_size,
         epochs=args.epochs,
         steps=args.steps,
@@ -856,6 +857,12 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="when r_FLOPs on clean held-out (or training) images miss --r-target by more than 0.01, one "
         "shared shift settles the trained thresholds (default: on; --no-settle keeps them)",
+    )
+    t.add_argument(
+        "--stop-collapsed",
+        action=argparse.BooleanOptionalAction,
+        help="stop when a block has removed every patch token of every image for 10 steps in a row (default: on; "
+        "--no-stop-collapsed trains on, as the reference code does)",
     )
     g = t.add_argument_group(
         "recipe points",

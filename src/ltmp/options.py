@@ -16,7 +16,8 @@ AUGMENTS = ("timm", "timm-random", "light", "none")
 #: gradient with detached merged averages, the prune mask overwriting a set-A token's merge mask, importance over
 #: every query row and A/B over every position (reordered set A, set B) in training, eq. 13 over all tokens with
 #: the batch's mean masks, thresholds clamped to [0, 1], timm's augmentation with random interpolation, 2% held
-#: out, no settle step. Its tau is the paper's 0.1 (the reference's command line defaults to 0.5).
+#: out, no settle step, no stop when a block collapses. Its tau is the paper's 0.1 (the reference's command line
+#: defaults to 0.5).
 RECIPES: dict[str, dict] = {
     "default": {},
     "paper": dict(
@@ -36,6 +37,7 @@ RECIPES: dict[str, dict] = {
         augment="timm-random",
         holdout=0.02,
         settle=False,
+        stop_collapsed=False,
         tau=0.1,
         lam=10.0,
         batch_size=128,

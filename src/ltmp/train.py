@@ -96,6 +96,7 @@ class TrainConfig:
     recipe: str = "default"  # the RECIPES entry the unset options came from (recorded in config.json)
     calibrate: bool = False  # start from thresholds bisected to hit r_target on a few images (no training)
     settle: bool = True  # after training, shift the thresholds until clean images meet r_target (within 0.01)
+    stop_collapsed: bool = True  # stop when a block has removed every patch token for COLLAPSE_STEPS steps
     settle_images: int = 1024  # images for that check: held-out ones with --holdout, else training images
     distill: float = 0.0  # weight w of distillation: task loss (1 - w) CE(labels) + w KL(unreduced model || reduced)
     calibrate_images: int = 256  # images used by the calibration
@@ -626,7 +627,7 @@ def _train(
                 kd = distill_loss(logits.float(), target_logits.float())
                 task = (1 - cfg.distill) * ce + cfg.distill * kd
             empty_runs = _collapse_check(model, ddp, empty_runs)
-            if max(empty_runs) >= COLLAPSE_STEPS:
+            if cfg.stop_collapsed and max(empty_runs) >= COLLAPSE_STEPS:
                 raise TrainError(_collapse_message(model, cfg, empty_runs.index(max(empty_runs)), step + 1))
             opt.zero_grad(set_to_none=True)
             if cfg.budget == "projected":
@@ -922,7 +923,9 @@ def project_thresholds(
 
 
 #: Training stops when a block has removed every patch token of every image for this many steps in a row (fewer
-#: let a threshold that still gets a surrogate gradient walk back).
+#: let a threshold that still gets a surrogate gradient walk back), unless ``stop_collapsed`` is off: the reference
+#: code trains on, and at 10x its scaled learning rate its blocks come back after tens of steps
+#: (``benchmarks/reference_seeds.py``).
 COLLAPSE_STEPS = 10
 
 
@@ -952,8 +955,9 @@ def _collapse_message(model: nn.Module, cfg: TrainConfig, block: int, step: int)
     )
     return (
         f"training stopped at step {step}: block {block + 1} removed every patch token of every image for "
-        f"{COLLAPSE_STEPS} steps in a row ({th}), where the thresholds get no gradient; lower --lr-prune "
-        f"({cfg.lr_prune:g}) or --lr-merge ({cfg.lr_merge:g}) and start again"
+        f"{COLLAPSE_STEPS} steps in a row ({th}), where the thresholds' gradients all but vanish; lower --lr-prune "
+        f"({cfg.lr_prune:g}) or --lr-merge ({cfg.lr_merge:g}) and start again, or pass --no-stop-collapsed to "
+        f"train on"
     )
 
 
