@@ -171,7 +171,8 @@ PAPER_POINTS: dict[str, dict] = {
         methods=("ltmp", "ltp"),
         where="none (tools/train.py trains every step)",
         ours="stop after 10 steps of a block that removes every patch token",
-        why="a collapsed block's thresholds get almost no gradient; the reference's come back only at high rates",
+        why="a collapsed block's thresholds get little gradient, so the run is likely lost (the reference's blocks "
+        "came back after tens of steps at 10x its scaled rate: benchmarks/reference_seeds.py)",
     ),
 }
 PAPER = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's
