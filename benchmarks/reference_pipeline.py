@@ -22,7 +22,7 @@ short of the budget, at 30x and 100x it prunes every patch token in one block), 
    it run on a CPU, none of which changes what it computes: ``torch.cuda.synchronize`` does nothing, the default
    device of its train and validate loops is the CPU, and its closing fvcore FLOPs count (1,000 images under
    autocast, a report only) is skipped. Each optimizer step's thresholds go to the run's ``thresholds.jsonl`` (a
-   step hook that reads them);
+   step hook that reads them after the step, before the reference clamps them to [0, 1]);
 2. evaluates the trained thresholds on the 10,000 test images with the authors' own inference model (tokens really
    removed; batch 1, the only batch it supports), recording each image's prediction and its per-block merged,
    pruned and kept tokens; and the accuracy its training script reports (the masked training model);
