@@ -1348,7 +1348,9 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
                 + ("the only one" if len(ltp) == 1 else f"the best of the {len(ltp)}")
                 + f" of its {len(kept + gone)} settings that met the budget: {fmt(best)}), as this project's LTP "
                 f"does (claims 2 and 8): at this budget the gap belongs to the model, not to this project's code "
-                f"alone.{also}"
+                f"alone. It rests on one seed, at rates where the authors' thresholds swing between near-empty and "
+                f"full blocks for much of the epoch ([training.md](training.md#the-authors-own-code-on-our-model))."
+                f"{also}"
             )
         else:
             L.append(
