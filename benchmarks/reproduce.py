@@ -376,6 +376,17 @@ class Tests:
         return dict(zip(keys, holm([self.raw[k] for k in keys])))
 
 
+def emptied_at(run: dict, num_patches: float) -> int | None:
+    """The block (from 1) after which a run's images keep no patch token (its mean merged and pruned tokens per block
+    add up to all of them), or None."""
+    removed = 0.0
+    for i, x in enumerate(run.get("per_layer", [])):
+        removed += x["merged"] + x["pruned"]
+        if removed > num_patches - 0.5:
+            return i + 1
+    return None
+
+
 def fmt(t: dict) -> str:
     """A test's difference, 95% interval and Holm-adjusted p."""
     return f"{t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}, Holm p {t['holm']:.2g})"
@@ -1242,7 +1253,7 @@ def authors_code(reference: dict | None, tests: Tests, S: list) -> list[str]:
 
         merged = sum(x["merged"] for x in r["per_layer"])
         pruned = sum(x["pruned"] for x in r["per_layer"])
-        if merged + pruned > reference.get("num_patches", float("inf")) - 0.5:  # removes every patch token
+        if emptied_at(r, reference.get("num_patches", float("inf"))) is not None:  # removes every patch token
             collapsed.add(name)
         L.append(
             f"| {name}{' (collapsed)' if name in collapsed else ''} | {r['lr']['prune']:.3g} / "
@@ -1409,18 +1420,15 @@ def same_recipe(reference: dict, tests: Tests) -> list[str]:
         )
         done.append((setting, r, a, vs_theirs))
 
-    def emptied(run: dict) -> list[int]:  # blocks that remove every patch token of every image
-        n = reference["num_patches"] - 0.5
-        return [i + 1 for i, x in enumerate(run.get("per_layer", [])) if x["merged"] + x["pruned"] > n]
-
     for setting, r, a, d in done:
         head = f"**{setting}**: with the authors' recipe and rates, this project's "
-        if d is None:  # training stopped (a block that removed every patch token, before that stop was a choice)
+        if d is None:  # training failed: its one-line error (reference_pipeline.ltmp_train)
             L += ["", head + r["stopped"].split(";")[0] + f"; the authors' run reached r_FLOPs {a['r_flops']:.3f}."]
             continue
         head += f"code reaches r_FLOPs {r['r_flops']:.3f} (the authors' {a['r_flops']:.3f})"
-        gone = [f"{who} ends with block {', '.join(map(str, b))} removing every patch token of every image"
-                for who, b in (("this project's run", emptied(r)), ("the authors' run", emptied(a))) if b]  # fmt: skip
+        gone = [f"{who} keeps no patch token after block {b}"
+                for who, b in (("this project's run", emptied_at(r, reference["num_patches"])),
+                               ("the authors' run", emptied_at(a, reference["num_patches"]))) if b]  # fmt: skip
         if gone:
             L += [
                 "",
