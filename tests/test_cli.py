@@ -46,6 +46,13 @@ def train_args(model, data, out, *extra):
     ]
 
 
+def collapsing_args(model, data, out, *extra):
+    """:func:`train_args` with an Adam prune step so large that block 1 prunes every patch token from step 2 on."""
+    args = train_args(model, data, out, "--steps", "20", "--optimizer", "adam", *extra)
+    args[args.index("5e-3")], args[args.index("0.6")] = "1e4", "0.2"
+    return args
+
+
 def thresholds_of(path) -> dict[str, float]:
     tensors, _ = ltmp.read_thresholds(path)
     return {f"{k}.{i}": float(v) for k, t in tensors.items() for i, v in enumerate(t)}
@@ -420,9 +427,8 @@ def test_bad_input_gets_one_line_error(case, tiny_model, tiny_data, tmp_path, ca
         (tmp_path / "w.pth").write_bytes(b"not a checkpoint")
         args = train_args(tiny_model, tiny_data, out, "--checkpoint", str(tmp_path / "w.pth"))
         expect = "cannot load checkpoint"
-    elif case == "collapse":  # an Adam prune step so large that block 1 prunes every patch token from step 2 on
-        args = train_args(tiny_model, tiny_data, out, "--steps", "20", "--optimizer", "adam")
-        args[args.index("5e-3")], args[args.index("0.6")] = "1e4", "0.2"
+    elif case == "collapse":
+        args = collapsing_args(tiny_model, tiny_data, out)
         expect = (
             "training stopped at step 11: block 1 removed every patch token of every image for 10 steps in a "
             "row (merge threshold "
@@ -453,9 +459,8 @@ def test_no_stop_collapsed_trains_through_a_collapsed_block(tiny_model, tiny_dat
     step 2 on) trains all its steps with --no-stop-collapsed, as the reference code would, and writes its
     thresholds; --recipe paper turns the stop off the same way."""
     out = tmp_path / "run"
-    args = train_args(tiny_model, tiny_data, out, "--steps", "20", "--optimizer", "adam", "--no-stop-collapsed")
-    args[args.index("5e-3")], args[args.index("0.6")] = "1e4", "0.2"
-    code, err = run_cli([*args, "--no-eval", "--no-settle"], capsys)
+    args = collapsing_args(tiny_model, tiny_data, out, "--no-stop-collapsed", "--no-eval", "--no-settle")
+    code, err = run_cli(args, capsys)
     assert code == 0, err
     steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert steps[-1] == 20 and (out / "thresholds.safetensors").exists()

@@ -626,9 +626,10 @@ def _train(
                     target_logits = logits_of(teacher(imgs))  # (B, classes)
                 kd = distill_loss(logits.float(), target_logits.float())
                 task = (1 - cfg.distill) * ce + cfg.distill * kd
-            empty_runs = _collapse_check(model, ddp, empty_runs)
-            if cfg.stop_collapsed and max(empty_runs) >= COLLAPSE_STEPS:
-                raise TrainError(_collapse_message(model, cfg, empty_runs.index(max(empty_runs)), step + 1))
+            if cfg.stop_collapsed:  # (a read of the record and, distributed, an all-reduce per step)
+                empty_runs = _collapse_check(model, ddp, empty_runs)
+                if max(empty_runs) >= COLLAPSE_STEPS:
+                    raise TrainError(_collapse_message(model, cfg, empty_runs.index(max(empty_runs)), step + 1))
             opt.zero_grad(set_to_none=True)
             if cfg.budget == "projected":
                 r = projected_gradients(
