@@ -1,19 +1,18 @@
-"""Given the same recipe and learning rates, does this project's LTP training collapse where the authors' does not?
+"""Given the same recipe and learning rates, do this project's LTP thresholds swing and collapse as the authors' do?
 
 A collapsed block is one whose prune threshold passes every importance score, so it prunes every patch token of
-every image; the thresholds then get no gradient from the task and the block stays collapsed. At the setting of
+every image; its thresholds then get little gradient, though at high rates they can come back. At the setting of
 ``--scale`` (``benchmarks/reference_pipeline.py``'s learning-rate settings: ``10x`` is 10 times the paper's rates
 scaled to one epoch here), for each seed, this script trains:
 
 - the authors' code: ``reference_pipeline.py``'s train stage (their ``tools/train.py``, its recipe, r_target 0.5,
-  one epoch), whose ``thresholds.jsonl`` keeps every step's thresholds;
-- this project's code: ``ltmp train --recipe paper`` at the same rates, budget and seed, which stops when a block
-  has pruned everything for 10 steps in a row (its ``log.jsonl`` keeps every step's thresholds).
+  one epoch), whose ``thresholds.jsonl`` keeps every step's thresholds (before their [0, 1] clamp);
+- this project's code: ``ltmp train --recipe paper`` at the same rates, budget and seed, which, like the reference,
+  trains on through a collapsed block (its ``log.jsonl`` keeps every step's thresholds).
 
 For each run it records how many steps ran, the steps at which some prune threshold was at or above ``HIGH`` (a
 jump that prunes nearly a whole block), the final thresholds and the blocks whose final threshold is at or above
-``HIGH`` (the authors' code trains on through a collapse; this project's stops); ``--json`` keeps them. Runs are
-kept under ``--runs`` and reused.
+``HIGH``; ``--json`` keeps them. Runs are kept under ``--runs`` and reused.
 
     python benchmarks/reference_seeds.py --reference PATH --python REF_PYTHON [--scale 10x] [--seeds 0 1 2]
         [--runs runs/reference-seeds] [--json results/reference_seeds.json]
