@@ -10,9 +10,10 @@ scaled to one epoch here), for each seed, this script trains:
 - this project's code: ``ltmp train --recipe paper`` at the same rates, budget and seed, which, like the reference,
   trains on through a collapsed block (its ``log.jsonl`` keeps every step's thresholds).
 
-For each run it records how many steps ran, the steps at which some prune threshold was at or above ``HIGH`` (a
-jump that prunes nearly a whole block), the final thresholds and the blocks whose final threshold is at or above
-``HIGH``; ``--json`` keeps them. Runs are kept under ``--runs`` and reused.
+For each run it records how many steps ran, the steps at which some prune threshold was at or above ``HIGH`` (a jump
+that prunes nearly a whole block), the longest such spell of one block, the thresholds' range, the final thresholds
+and the blocks whose final threshold is at or above ``HIGH``; ``--json`` keeps them. Runs are kept under ``--runs``
+and reused.
 
     python benchmarks/reference_seeds.py --reference PATH --python REF_PYTHON [--scale 10x] [--seeds 0 1 2]
         [--runs runs/reference-seeds] [--json results/reference_seeds.json]
@@ -40,7 +41,15 @@ def summary(steps: list[list[float]]) -> dict:
     high = [i + 1 for i, t in enumerate(steps) if max(t) >= HIGH]
     final = [round(t, 4) for t in steps[-1]] if steps else []
     ends = [i + 1 for i, t in enumerate(final) if t >= HIGH]  # blocks still (nearly) emptied at the end
-    return {"steps": len(steps), "high_steps": high, "final": final, "ends_high": ends}
+    longest = (0, None)  # (steps in a row at or above HIGH, block from 1)
+    for b in range(len(final)):
+        run = 0
+        for t in steps:
+            run = run + 1 if t[b] >= HIGH else 0
+            longest = max(longest, (run, b + 1), key=lambda x: x[0])
+    low, top = (min(min(t) for t in steps), max(max(t) for t in steps)) if steps else (None, None)
+    return {"steps": len(steps), "high_steps": high, "final": final, "ends_high": ends, "longest_high": longest,
+            "range": [low, top]}  # fmt: skip
 
 
 def authors(args, folder: Path, seed: int) -> dict:
@@ -76,7 +85,8 @@ def main() -> None:
                 f"{code} seed {seed}: {r['steps']} steps"
                 + (f", {r['stopped']}" if r.get("stopped") else "")
                 + f"; a threshold >= {HIGH} at {len(r['high_steps'])} steps (first {r['high_steps'][:5]}), "
-                f"at the end in blocks {r['ends_high'] or 'none'}",
+                f"at most {r['longest_high'][0]} in a row (block {r['longest_high'][1]}), at the end in blocks "
+                f"{r['ends_high'] or 'none'}; range {r['range'][0]:.4g} to {r['range'][1]:.4g}",
                 flush=True,
             )
             write_json(args.json, result)
