@@ -50,7 +50,7 @@ def test_masked_attention_equals_attention_with_tokens_removed():
     q, k, v = qkv()
     keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1], [1, 0, 1, 1, 1, 1, 0, 1, 0]], dtype=torch.float64)
     size = torch.tensor([[1, 2, 1, 3, 1, 1, 1, 2, 1], [1, 1, 4, 1, 1, 2, 1, 1, 1]], dtype=torch.float64)
-    out, probs = ops.masked_attention(q, k, v, 0.5, ops.key_bias(keep, size.log(), keep.dtype))
+    out, probs = ops.masked_attention(q, k, v, 0.5, keep, size.log())
     ref_out, ref_probs = reference_attention(q, k, v, 0.5, keep.bool(), size)
     assert torch.allclose(out, ref_out, atol=1e-12, rtol=0), (out - ref_out).abs().max()
     assert torch.allclose(probs, ref_probs, atol=1e-12, rtol=0)
@@ -62,7 +62,7 @@ def test_masked_attention_passes_gradient_to_the_mask():
     keep_soft = torch.full((2, 9), 0.3, dtype=torch.float64, requires_grad=True)
     hard = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1]] * 2, dtype=torch.float64)
     keep = hard + (keep_soft - keep_soft.detach())
-    out, _ = ops.soft_masked_attention(q, k, v, 0.5, keep, None)
+    out, _ = ops.masked_attention(q, k, v, 0.5, keep, None)
     out.pow(2).sum().backward()
     assert keep_soft.grad[hard == 0].abs().min() > 0  # removed keys' masks receive gradient too
     assert torch.isfinite(keep_soft.grad).all()
@@ -75,7 +75,7 @@ def test_masked_attention_finite_when_a_masked_key_holds_the_row_max(dtype):
     keep = torch.ones(2, 9, dtype=torch.float64)
     keep[:, 2] = 0  # ... and is masked
     keep_grad = keep.clone().requires_grad_(True)
-    out, _ = ops.soft_masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.5, keep_grad.to(dtype), None)
+    out, _ = ops.masked_attention(q.to(dtype), k.to(dtype), v.to(dtype), 0.5, keep_grad.to(dtype), None)
     out.float().sum().backward()
     ref, _ = reference_attention(q, k, v, 0.5, keep.bool(), torch.ones(2, 9, dtype=torch.float64))
     assert torch.isfinite(out).all() and torch.isfinite(keep_grad.grad).all()
@@ -86,7 +86,7 @@ def test_masked_attention_finite_when_a_masked_key_holds_the_row_max(dtype):
 def test_mean_column_importance_averages_surviving_rows_only():
     q, k, v = qkv()
     keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1]] * 2, dtype=torch.float64)
-    _, probs = ops.masked_attention(q, k, v, 0.5, ops.key_bias(keep, None, keep.dtype))
+    _, probs = ops.masked_attention(q, k, v, 0.5, keep, None)
     s = ops.importance(probs, keep, "mean")
     idx = keep[0].bool()
     ref = probs[:, :, idx][:, :, :, idx].mean(1).mean(1)  # eq. 17 on the kept tokens only
@@ -189,7 +189,7 @@ def test_eps_mask_gradient_is_the_exact_derivative_away_from_sinks():
 def test_mean_importance_stays_in_float32_under_autocast():
     q, k, v = qkv(dtype=torch.float32)
     keep = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.float32)
-    _, probs = ops.masked_attention(q, k, v, 0.5, ops.key_bias(keep, None, keep.dtype))
+    _, probs = ops.masked_attention(q, k, v, 0.5, keep, None)
     ref = ops.importance(probs.double(), keep, "mean")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         s = ops.importance(probs, keep, "mean")
@@ -203,8 +203,8 @@ def test_masked_attention_hard_and_soft_masks_agree(sized):
     q, k, v = qkv()
     keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1], [1, 0, 1, 1, 1, 1, 0, 1, 0]], dtype=torch.float64)
     ls = torch.tensor([[1, 2, 1, 3, 1, 1, 1, 2, 1]] * 2, dtype=torch.float64).log() if sized else None
-    hard = ops.masked_attention(q, k, v, 0.5, ops.key_bias(keep, ls, keep.dtype))
-    soft = ops.soft_masked_attention(q, k, v, 0.5, keep.requires_grad_(), ls)
+    hard = ops.masked_attention(q, k, v, 0.5, keep, ls)
+    soft = ops.masked_attention(q, k, v, 0.5, keep.requires_grad_(), ls)
     for a, b in zip(hard, soft):
         assert torch.allclose(a, b.detach(), atol=1e-12, rtol=0), (a - b).abs().max()
 

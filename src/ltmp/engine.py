@@ -88,15 +88,13 @@ def attention(
     q, k = view.q_norm(q), view.k_norm(k)
     log_size = size.log() if merged else None  # (b, n); -inf at padding: masked
     prunes = "prune" in cfg.ops
-    if keep is not None and keep.requires_grad:  # eq. 6's gradient to the straight-through mask
-        o, probs = ops.soft_masked_attention(q, k, v, view.scale, keep, log_size, view.attn_drop, cfg.mask_grad)
+    soft = keep is not None and keep.requires_grad  # eq. 6's gradient to the straight-through mask
+    if soft or prunes or not view.fused or (plan.symbolic and cfg.learned):  # (SDPA's mask would guard on counts)
+        o, probs = ops.masked_attention(q, k, v, view.scale, keep, log_size, view.attn_drop, cfg.mask_grad)
     else:
-        bias = ops.key_bias(keep, log_size, ops.wide(q.dtype))  # (b, n) or None
-        if prunes or not view.fused or (plan.symbolic and cfg.learned):  # (SDPA's mask would guard on counts)
-            o, probs = ops.masked_attention(q, k, v, view.scale, bias, view.attn_drop)
-        else:
-            mask = None if bias is None else bias[:, None, None, :].to(q.dtype)  # (b, 1, 1, n)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=view.attn_drop, scale=view.scale)
+        bias = ops.key_bias(keep, log_size, q.dtype)  # (b, n) or None
+        mask = None if bias is None else bias[:, None, None, :]  # (b, 1, 1, n)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=view.attn_drop, scale=view.scale)
     importance = ops.importance(probs, rows, cfg.importance) if prunes else None  # (b, n)
     metric = k.sum(1) if "merge" in cfg.ops else None  # (b, n, D)
     return o.transpose(1, 2).reshape(b, n, -1), importance, metric
@@ -112,7 +110,8 @@ def attend(
     Returns:
         The output like y, (B, N, H * D) or (T, H * D); the importance (B, N) and the merge metric (B, N, D), padded.
     """
-    L, qkv = state.layout, view.qkv(y)  # (..., 3 * H * D)
+    L = state.layout
+    qkv = view.qkv(y)  # (..., 3 * H * D)
     if plan.train:
         rows = state.keep if cfg.importance_rows == "survivors" else None  # eq. 17's query rows
         return attention(plan, view, cfg, qkv, state.size, state.keep, rows, state.merged_once)
@@ -235,7 +234,10 @@ def encode(model: nn.Module, x: Tensor, taps: Sequence[int] = ()) -> tuple[Tenso
         source = None if source is None else source.reshape(B * N, N)
     state = TokenState(size, Layout(B, N), source=source, track=track)
     run = partial(checkpoint, block, use_reentrant=False) if p.train and adapter.checkpointing(model) else block
-    steps, padded, traced, tapped = [], [N], [], {}
+    steps = []  # each block's StepResult
+    padded = [N]  # the padded token count entering each block, and leaving the last
+    traced = []  # each block's state, with trace_source
+    tapped = {}  # block -> dense output, for taps
     for i, blk in enumerate(blocks):
         rate = 0 if cfg.rate is None else cfg.rate[i]
         x, state, step = run(p, adapter.view(model, blk), blk, x, state, cfg, i, rate)  # checkpoint: recomputed
@@ -269,21 +271,16 @@ def refuse_hooks(model: nn.Module, blocks: Sequence[nn.Module]) -> None:
     or see other shapes than timm documents, so the forward refuses them (hooks on the model itself fire; the
     family's own hooks, ``Adapter.library_hook``, are left alone)."""
     adapter = type(model)._ltmp_adapter
-    for m in (m for b in blocks for m in b.modules()):
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
-            if all(adapter.library_hook(h) for d in hooks for h in d.values()):
-                continue  # the family's own machinery (transformers' output recorders), replaced by the forward
-            name = next(
-                f"blocks[{i}]" + (f".{n}" if n else "")
-                for i, b in enumerate(blocks)
-                for n, sub in b.named_modules()
-                if sub is m
-            )
+    for i, blk in enumerate(blocks):
+        for name, m in blk.named_modules():
+            dicts = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+            if all(adapter.library_hook(h) for d in dicts for h in d.values()):
+                continue  # none, or the family's own (transformers' output recorders), replaced by the forward
             raise LtmpError(
-                f"{name} has a hook, which a patched model would not run on its tokens (a block is one reduction "
-                f"step on packed rows); remove it, and read per-block outputs with forward_intermediates (dense), "
-                f"counts with ltmp.stats(model) or patch memberships with trace_source=True"
+                f"blocks[{i}]{'.' + name if name else ''} has a hook, which a patched model would not run on its "
+                f"tokens (a block is one reduction step on packed rows); remove it, and read per-block outputs with "
+                f"forward_intermediates (dense), counts with ltmp.stats(model) or patch memberships with "
+                f"trace_source=True"
             )
 
 

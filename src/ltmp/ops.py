@@ -63,45 +63,36 @@ def key_bias(keep: Tensor | None, log_size: Tensor | None, dtype: torch.dtype) -
 
 
 def masked_attention(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, dropout: float = 0.0
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    keep: Tensor | None,
+    log_size: Tensor | None,
+    dropout: float = 0.0,
+    mask_grad: str = "secant",
 ) -> tuple[Tensor, Tensor]:
-    """Attention with masked keys and proportional attention, eq. 5-7, for hard masks (train mode's straight-through
-    masks: :func:`soft_masked_attention`).
+    """Attention with masked keys and proportional attention, eq. 5-7.
 
     ``S_ij = exp(A_ij) m_j / sum_k exp(A_ik) m_k`` (eq. 6) with ``A = QK^T / sqrt(d) + log(size)`` (eq. 7 plus
-    ToMe's proportional attention) is attention with the masked keys removed: a -inf bias (:func:`key_bias`) and
-    one softmax, in at least float32.
+    ToMe's proportional attention) is attention with the masked keys removed, in at least float32. A hard mask is a
+    -inf bias (:func:`key_bias`) before one softmax; a straight-through mask (train mode, ``keep.requires_grad``)
+    multiplies in eq. 6, so gradients reach it and the thresholds behind it (:class:`MaskedSoftmax`, whose
+    ``mask_grad`` form bounds them); the forward is the same.
 
     Args:
-        q, k, v: (B, H, N, D). scale: multiplier of ``q k^T``. bias: (B, N) or None.
+        q, k, v: (B, H, N, D). scale: multiplier of ``q k^T``. keep: (B, N) 0/1, the keys that count (None: all).
+        log_size: (B, N) the tokens' log sizes, or None (every size 1).
 
     Returns:
         out (B, H, N, D) and the probabilities S (B, H, N, N), in at least float32.
     """
     attn = ((q * scale) @ k.transpose(-2, -1)).to(wide(q.dtype))  # (B, H, N, N)
+    soft = keep is not None and keep.requires_grad
+    bias = key_bias(None if soft else keep, log_size, attn.dtype)  # (B, N) or None
     if bias is not None:
         attn = attn + bias[:, None, None, :]
-    probs = attn.softmax(dim=-1)  # (B, H, N, N)
-    p = F.dropout(probs, dropout) if dropout else probs
-    return p.to(v.dtype) @ v, probs  # (B, H, N, D), (B, H, N, N)
-
-
-def soft_masked_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-    keep: Tensor,
-    log_size: Tensor | None,
-    dropout: float = 0.0,
-    mask_grad: str = "secant",
-) -> tuple[Tensor, Tensor]:
-    """:func:`masked_attention` with a straight-through mask ``keep`` (B, N) (train mode): the mask multiplies in
-    eq. 6, so gradients reach it and the thresholds behind it (:class:`MaskedSoftmax`); the same forward."""
-    attn = ((q * scale) @ k.transpose(-2, -1)).to(wide(q.dtype))  # (B, H, N, N)
-    if log_size is not None:
-        attn = attn + log_size[:, None, None, :].to(attn.dtype)
-    probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad)  # (B, H, N, N)
+    probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad) if soft else attn.softmax(dim=-1)
     p = F.dropout(probs, dropout) if dropout else probs
     return p.to(v.dtype) @ v, probs  # (B, H, N, D), (B, H, N, N)
 

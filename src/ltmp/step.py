@@ -46,7 +46,10 @@ class Layout:
     tokens on the host; both None when every image has ``length`` tokens (the rows are then the batch flattened)."""
 
     def __init__(self, batch: int, length: int, real: Tensor | None = None, counts: list[int] | None = None):
-        self.batch, self.length, self.real, self.counts = batch, length, real, counts
+        self.batch = batch
+        self.length = length
+        self.real = real
+        self.counts = counts
         # (T,) the flat position (b * N + j) of each row; None without padding
         self.index = None if real is None else torch.nonzero_static(real.view(-1), size=sum(counts)).view(-1)
 
@@ -126,6 +129,13 @@ class Captured(NamedTuple):
     importance: Tensor | None  # (B, K) merge decisions: the A tokens' importance, where the method computes it
     threshold: Tensor | None  # the learned threshold the scores are compared with (fixed rates: None)
 
+    @staticmethod
+    def of(layer: int, op: str, scores: Tensor, cand: Tensor | None, imp: Tensor | None, threshold: Tensor | None):
+        """The decision's tensors detached and on the host (``cand`` None: every token a candidate)."""
+        cand = torch.ones_like(scores, dtype=torch.bool) if cand is None else cand
+        host = [None if t is None else t.detach().cpu() for t in (scores, cand, imp)]
+        return Captured(layer, op, *host, threshold)
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -168,23 +178,24 @@ def decide_merge(
         metric: (B, N, D) keys summed over heads. alive: (B, N) bool, the survivors (None: every token).
         in_order: the survivors are the first positions of each row (eval), so no reordering is needed.
     """
-    (B, N, _), first = metric.shape, cfg.set_starts  # sets A and B start past the prefix
+    B, N, _ = metric.shape
+    first = cfg.set_starts  # sets A and B start past the prefix
     order = blocked = cand = None
     if alive is not None:
         if not in_order:  # the survivors first, in order (any sort of these distinct keys gives this order)
             pos = torch.arange(N, device=alive.device)
             order = torch.where(alive, pos, pos + N).topk(N, dim=1, largest=False).indices  # (B, N)
             metric, alive = metric.gather(1, order[..., None].expand(metric.shape)), alive.gather(1, order)
-        blocked, cand = ops.blocked_pairs(alive, first), alive[:, first[0] :: 2]  # (B, Na, Nb), (B, Na)
+        blocked = ops.blocked_pairs(alive, first)  # (B, Na, Nb)
+        cand = alive[:, first[0] :: 2]  # (B, Na)
     score, j = ops.match(metric, blocked, first, pad=plan.symbolic)  # (B, Na) each
     src = torch.arange(N, device=metric.device)[first[0] :: 2].expand(B, -1)  # (B, Na) set A's positions
     dst = (first[1] + 2 * j).clamp(max=N - 1)  # (B, Na) their B tokens' (match's padding column: never selected)
     if order is not None:
         src, dst = order.gather(1, src), order.gather(1, dst)
     if cfg.capture is not None:
-        cand = torch.ones_like(score, dtype=torch.bool) if cand is None else cand
-        imp = None if importance is None else importance.gather(1, src).detach().cpu()
-        cfg.capture(Captured(layer, "merge", score.detach().cpu(), cand.cpu(), imp, threshold))
+        imp = None if importance is None else importance.gather(1, src)
+        cfg.capture(Captured.of(layer, "merge", score, cand, imp, threshold))
     if cfg.learned:
         hard, mask = ops.threshold_mask(score, threshold, cfg.tau, soft=plan.train)  # (B, Na) eq. 1-2 (0 outside cand)
     else:  # the k best matched, k = min(rate, |A|, |B|) per image
@@ -219,7 +230,7 @@ def decide_prune(
     cand = (torch.arange(N, device=importance.device) >= cfg.num_prefix).expand(B, N)  # (B, N) patch tokens
     cand = cand if alive is None else alive & cand  # the surviving ones
     if cfg.capture is not None:
-        cfg.capture(Captured(layer, "prune", importance.detach().cpu(), cand.cpu(), None, threshold))
+        cfg.capture(Captured.of(layer, "prune", importance, cand, None, threshold))
     if not cfg.learned:  # the k least important candidates; with keep_one, k leaves one
         rank = ops.rank(torch.where(cand, importance, float("inf")), largest=False)  # (B, N)
         if plan.static:  # k is at most the candidates: the others rank after them
@@ -274,8 +285,8 @@ def reduce_step(
     else:
         alive = L.real
     in_order = not plan.train or cfg.train_order == "reference"  # (reference order: A/B over all positions)
-    # fixed rates in eval: the exact counts
-    static = static_counts(cfg.ops, N - cfg.num_prefix, rate, plan.keep_one) if plan.static else None
+    # (merge, prune) rates; fixed rates in eval: the exact counts
+    rates = static_counts(cfg.ops, N - cfg.num_prefix, rate, plan.keep_one) if plan.static else (rate, rate)
     decisions = {}  # op -> its decision, in the method's order
     for op in cfg.ops:
         if op == "merge":
@@ -287,7 +298,7 @@ def reduce_step(
                 alive,
                 in_order,
                 merge_threshold,
-                rate if static is None else static[0],
+                rates[0],
                 importance,
             )
             stays = m.stays if alive is None else alive.gather(1, m.src) & m.stays  # (B, Na)
@@ -297,15 +308,13 @@ def reduce_step(
                 importance = ops.group_max(importance, m.src, m.dst, m.stays)  # (B, N)
             decisions[op] = m
         else:
-            drop, cand, soft = decide_prune(
-                cfg, plan, layer, importance, alive, prune_threshold, rate if static is None else static[1]
-            )
+            drop, cand, soft = decide_prune(cfg, plan, layer, importance, alive, prune_threshold, rates[1])
             alive = ~drop if alive is None else alive & ~drop  # (B, N)
             # (ltpm) a merge after pruning splits A/B over the survivors, not the positions
             in_order = plan.train and cfg.train_order == "reference"
             decisions[op] = (drop, cand, soft)
     if not plan.train:
-        return _apply_rows(x, state, cfg, plan, decisions, alive, static)
+        return _apply_rows(x, state, cfg, plan, decisions, alive, rates)
     out, state, result = _apply_masks(x, state, cfg, decisions)  # (B, N, C)
     if state.track is not None:  # dense outputs: where each token of x went
         state = _follow_masks(x, state, decisions)
@@ -381,7 +390,8 @@ def _reorder(x: Tensor, state: TokenState, cfg: ReduceConfig) -> tuple[Tensor, T
 
     track = state.track
     if track is not None:  # flat positions b * N + j -> b * N + (j's new position)
-        N, at = x.shape[1], track.at.clamp(min=0)  # (B * N0,)
+        N = x.shape[1]
+        at = track.at.clamp(min=0)  # (B * N0,)
         track = Track(torch.where(track.at >= 0, at - at % N + order.argsort()[at % N], -1), track.last)
     return put(x), dataclasses.replace(
         state, size=put(state.size), keep=put(state.keep), source=put(state.source), track=track
@@ -408,19 +418,21 @@ def _apply_rows(
     plan: Plan,
     decisions: dict,
     alive: Tensor,
-    static: tuple[int, int] | None,
+    rates: tuple[int, int],
 ) -> tuple:
     """Eval mode: the survivors ``alive`` (B, N) keep their order and become the new rows, image by image; a merged
     token joins its target's row, and each new row is the size-weighted average of the rows it receives (a target
     pruned in the same block takes its group along). One sum of rows into rows does the merging and the
-    compaction. For fixed rates the counts are ``static`` (:func:`static_counts`); for learned thresholds they are
-    read back from the device, the step's one host synchronisation."""
+    compaction. For fixed rates the counts are the ``rates`` (:func:`static_counts`); for learned thresholds they
+    are read back from the device, the step's one host synchronisation."""
     L = state.layout
-    B, N, P = L.batch, L.length, cfg.num_prefix
+    B, N = L.batch, L.length
+    P = cfg.num_prefix
     merge, prune = decisions.get("merge"), decisions.get("prune")
-    if static is not None:  # fixed rates: every image removes the same number of tokens
-        n_new = N - sum(static)
-        counts, result = None, StepResult(*static, kept=n_new - P, kept_frac=n_new - P)
+    if plan.static:  # fixed rates: every image removes the same number of tokens
+        n_new = N - sum(rates)
+        counts = None
+        result = StepResult(*rates, kept=n_new - P, kept_frac=n_new - P)
     else:
         count_t = alive.sum(1)  # (B,)
         counts = count_t.tolist()  # the host read
@@ -428,8 +440,9 @@ def _apply_rows(
             torch._check(c >= 0)
             torch._check(c <= N)
         kept = [c - P for c in counts]
-        merged, pruned = (0 if merge is None else merge.hard), (0 if prune is None else prune[0])
-        result = StepResult(merged=merged, pruned=pruned, kept=kept, kept_frac=kept)
+        merged = 0 if merge is None else merge.hard
+        pruned = 0 if prune is None else prune[0]
+        result = StepResult(merged, pruned, kept=kept, kept_frac=kept)
         n_new = max(counts)
     flat = alive.view(-1)  # (B * N,)
     slot = flat.cumsum(0) * flat  # (B * N,) survivors' new rows from 1, 0 (cut) the others
