@@ -16,6 +16,7 @@ demo: setup
 	$(BIN)/ltmp demo
 
 test: setup
+	@! grep -rn --include='*.py' -e 'fmt: skip' -e 'fmt: off' src tests benchmarks scripts || { echo 'the formatter lays out every file: remove fmt: skip / fmt: off'; exit 1; }
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports

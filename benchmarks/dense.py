@@ -86,8 +86,14 @@ def main() -> None:
                 xb = x[: args.batch_size]
                 timed = compare_models({"dense": Features(model), "plain": Features(plain)}, xb, rounds=args.rounds)
                 ratio = paired_ratio(timed, "dense", "plain")
-                row = dict(model=name, r_target=target, method=method, gmacs=round(mean_gmacs(model, x), 4),
-                           cosine=[round(c, 4) for c in cos], time_ratio=ratio)  # fmt: skip
+                row = dict(
+                    model=name,
+                    r_target=target,
+                    method=method,
+                    gmacs=round(mean_gmacs(model, x), 4),
+                    cosine=[round(c, 4) for c in cos],
+                    time_ratio=ratio,
+                )
                 rows.append(row)
                 print(
                     f"{name} r {target} {method:10s} GMACs {row['gmacs']:.4f}  cosine per block "

@@ -84,8 +84,9 @@ def main() -> None:
     if not learned:  # a fixed-rate method at LTMP's GMACs on these images
         red = at_gmacs(dense, args.method, mean_gmacs(red, x))
     if args.max_groups is not None:
-        engine.TUNING[device.type] = dict(engine.TUNING.get(device.type, engine.TUNING["default"]),
-                                          max_groups=args.max_groups)  # fmt: skip
+        engine.TUNING[device.type] = dict(
+            engine.TUNING.get(device.type, engine.TUNING["default"]), max_groups=args.max_groups
+        )
     batches = [x[i * args.batch_size : (i + 1) * args.batch_size] for i in range(args.forwards)]
     print(
         f"{args.model} {args.method}: calibrated r_FLOPs {r:.3f}"

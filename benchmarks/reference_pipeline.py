@@ -169,11 +169,36 @@ def ref_train(args) -> None:
     prune_lr, merge_lr = learning_rates(args.scale)
     out = Path(args.out)
     sys.argv = [
-        "train.py", args.data, "--model", f"{args.method}_vitcifar", "--pretrained", "--val-split", "test",
-        "-b", "128", "--lr", repr(prune_lr), *([repr(merge_lr)] if args.method == "ltmp" else []),
-        "--reduction-target", str(R_TARGET), "--tau", "0.1", "--epochs", "1", "--seed", str(args.seed),
-        "--no-prefetcher", "-j", "2", "--log-interval", "10", "--output", str(out.parent), "--experiment", out.name,
-    ]  # fmt: skip
+        "train.py",
+        args.data,
+        "--model",
+        f"{args.method}_vitcifar",
+        "--pretrained",
+        "--val-split",
+        "test",
+        "-b",
+        "128",
+        "--lr",
+        repr(prune_lr),
+        *([repr(merge_lr)] if args.method == "ltmp" else []),
+        "--reduction-target",
+        str(R_TARGET),
+        "--tau",
+        "0.1",
+        "--epochs",
+        "1",
+        "--seed",
+        str(args.seed),
+        "--no-prefetcher",
+        "-j",
+        "2",
+        "--log-interval",
+        "10",
+        "--output",
+        str(out.parent),
+        "--experiment",
+        out.name,
+    ]
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     out.mkdir(parents=True, exist_ok=True)
@@ -244,10 +269,18 @@ def ref_eval(args) -> None:
         for img, label in loader:
             masked_correct += ["1" if c else "0" for c in (masked(img).argmax(-1) == label).tolist()]
     result = {
-        "method": args.method, "scale": args.scale, "thresholds": thresholds, "correct": "".join(correct),
-        "kept": kept, "merged": merged, "pruned": pruned, "masked_correct": "".join(masked_correct),
-        "seconds": time.time() - t0, "timm": __import__("timm").__version__, "torch": torch.__version__,
-    }  # fmt: skip
+        "method": args.method,
+        "scale": args.scale,
+        "thresholds": thresholds,
+        "correct": "".join(correct),
+        "kept": kept,
+        "merged": merged,
+        "pruned": pruned,
+        "masked_correct": "".join(masked_correct),
+        "seconds": time.time() - t0,
+        "timm": __import__("timm").__version__,
+        "torch": torch.__version__,
+    }
     tmp = out / "test.json.tmp"
     tmp.write_text(json.dumps(result))
     os.replace(tmp, out / "test.json")
@@ -257,8 +290,24 @@ def ref_eval(args) -> None:
 
 
 def _ref(args, stage: str, name: str, method: str, scale: str, data: str, seed: int = SEED) -> None:
-    cmd = [args.python, str(HERE), "--stage", stage, "--reference", args.reference, "--method", method,
-           "--scale", scale, "--data", data, "--out", str(Path(args.runs) / name), "--seed", str(seed)]  # fmt: skip
+    cmd = [
+        args.python,
+        str(HERE),
+        "--stage",
+        stage,
+        "--reference",
+        args.reference,
+        "--method",
+        method,
+        "--scale",
+        scale,
+        "--data",
+        data,
+        "--out",
+        str(Path(args.runs) / name),
+        "--seed",
+        str(seed),
+    ]
     print("$ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
@@ -282,10 +331,15 @@ def summarize(args) -> dict:
     spec = ltmp.vit_spec(model)
     runs = Path(args.runs)
     out: dict = {
-        "reference": _commit(args.reference), "r_target": R_TARGET, "steps": STEPS, "seed": SEED,
-        "num_patches": spec.num_patches, "planned": [name for name, _, _ in runs_of()],
-        "machine": f"x86_64 CPU, {torch.get_num_threads()} threads, torch {torch.__version__}", "runs": {},
-    }  # fmt: skip
+        "reference": _commit(args.reference),
+        "r_target": R_TARGET,
+        "steps": STEPS,
+        "seed": SEED,
+        "num_patches": spec.num_patches,
+        "planned": [name for name, _, _ in runs_of()],
+        "machine": f"x86_64 CPU, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "runs": {},
+    }
     recorded = json.loads(Path(args.json).read_text())["runs"] if Path(args.json).exists() else {}
     for name, method, scale in runs_of():
         folder = runs / name
@@ -325,8 +379,18 @@ def summarize(args) -> dict:
             }
             (folder / "schedule.json").write_text(json.dumps(learned))
         correct = learned["correct"]
-        base = ["eval", "--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA),
-                "--val-split", "test", "--method", METHODS[method]]  # fmt: skip
+        base = [
+            "eval",
+            "--model",
+            f"local-dir:{SHARED_MODEL}",
+            "--pretrained",
+            "--data-dir",
+            str(DATA),
+            "--val-split",
+            "test",
+            "--method",
+            METHODS[method],
+        ]
         rows = {}
         for kind, flags in (
             ("even", ["--match-gmacs", str(learned["gmacs"])]),
@@ -342,15 +406,20 @@ def summarize(args) -> dict:
             rows[kind] = row if "error" in row else compact(row)
         masked = t["masked_correct"]
         entry = {
-            "method": method, "scale": scale, "lr": dict(zip(("prune", "merge"), learning_rates(scale))),
-            "code": "ltmp" if ours else "reference", "thresholds": t["thresholds"],
+            "method": method,
+            "scale": scale,
+            "lr": dict(zip(("prune", "merge"), learning_rates(scale))),
+            "code": "ltmp" if ours else "reference",
+            "thresholds": t["thresholds"],
             "top1": 100 * correct.count("1") / len(correct),
             "masked_top1": None if masked is None else 100 * masked.count("1") / len(masked),
-            "gmacs": learned["gmacs"], "gmacs_dense": ltmp.dense_gmacs(spec), "r_flops": r_flops,
+            "gmacs": learned["gmacs"],
+            "gmacs_dense": ltmp.dense_gmacs(spec),
+            "r_flops": r_flops,
             "per_layer": learned["per_layer"],
             "correct": pack(correct),
             "baselines": {},
-        }  # fmt: skip
+        }
         for kind, row in rows.items():
             if "error" in row:
                 entry["baselines"][kind] = row
@@ -372,10 +441,30 @@ def ltmp_train(folder: Path, method: str, scale: str, seed: int = SEED) -> str |
     stopped = folder / "stopped.txt"
     if not (folder / "thresholds.safetensors").exists() and not stopped.exists():
         # a checkpoint every 10 steps keeps the folder and its log when training stops early
-        cmd = ["train", "--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA),
-               "--recipe", "paper", "--method", method, "--lr-prune", repr(prune_lr), "--lr-merge", repr(merge_lr),
-               "--r-target", str(R_TARGET), "--seed", str(seed), "--output", str(folder),
-               "--checkpoint-every", "10"]  # fmt: skip
+        cmd = [
+            "train",
+            "--model",
+            f"local-dir:{SHARED_MODEL}",
+            "--pretrained",
+            "--data-dir",
+            str(DATA),
+            "--recipe",
+            "paper",
+            "--method",
+            method,
+            "--lr-prune",
+            repr(prune_lr),
+            "--lr-merge",
+            repr(merge_lr),
+            "--r-target",
+            str(R_TARGET),
+            "--seed",
+            str(seed),
+            "--output",
+            str(folder),
+            "--checkpoint-every",
+            "10",
+        ]
         print("$ ltmp " + " ".join(cmd), flush=True)
         res = subprocess.run([sys.executable, "-m", "ltmp", "--quiet", *cmd], capture_output=True, text=True)
         if res.returncode:
@@ -393,9 +482,24 @@ def train_ours(folder: Path, method: str, scale: str) -> dict:
     if why is not None:
         return {"stopped": why}
     if not (folder / "test.json").exists():
-        run(["eval", "--model", f"local-dir:{SHARED_MODEL}", "--pretrained", "--data-dir", str(DATA),
-             "--val-split", "test", "--method", method, "--thresholds", str(folder / "thresholds.safetensors"),
-             "--json", str(folder / "test.json")])  # fmt: skip
+        run(
+            [
+                "eval",
+                "--model",
+                f"local-dir:{SHARED_MODEL}",
+                "--pretrained",
+                "--data-dir",
+                str(DATA),
+                "--val-split",
+                "test",
+                "--method",
+                method,
+                "--thresholds",
+                str(folder / "thresholds.safetensors"),
+                "--json",
+                str(folder / "test.json"),
+            ]
+        )
     return json.loads((folder / "test.json").read_text())
 
 

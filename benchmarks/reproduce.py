@@ -1398,8 +1398,10 @@ def same_recipe(reference: dict, tests: Tests) -> list[str]:
         setting = name.removeprefix("ours-")
         r, a = ours.get(name), reference["runs"].get(setting)
         if r is not None and a is not None and "stopped" in r:
-            L.append(f"| {setting} | {r['lr']['prune']:.3g} / {r['lr']['merge']:.3g} | stopped / {a['r_flops']:.3f} "
-                     f"| | | | {a['baselines']['even']['diff']:+.2f} | |")  # fmt: skip
+            L.append(
+                f"| {setting} | {r['lr']['prune']:.3g} / {r['lr']['merge']:.3g} | stopped / {a['r_flops']:.3f} "
+                f"| | | | {a['baselines']['even']['diff']:+.2f} | |"
+            )
             done.append((setting, r, a, None))
             continue
         if r is None or a is None or "correct" not in r["baselines"].get("even", {}):
@@ -1426,9 +1428,14 @@ def same_recipe(reference: dict, tests: Tests) -> list[str]:
             L += ["", head + r["stopped"].split(";")[0] + f"; the authors' run reached r_FLOPs {a['r_flops']:.3f}."]
             continue
         head += f"code reaches r_FLOPs {r['r_flops']:.3f} (the authors' {a['r_flops']:.3f})"
-        gone = [f"{who} keeps no patch token after block {b}"
-                for who, b in (("this project's run", emptied_at(r, reference["num_patches"])),
-                               ("the authors' run", emptied_at(a, reference["num_patches"]))) if b]  # fmt: skip
+        gone = [
+            f"{who} keeps no patch token after block {b}"
+            for who, b in (
+                ("this project's run", emptied_at(r, reference["num_patches"])),
+                ("the authors' run", emptied_at(a, reference["num_patches"])),
+            )
+            if b
+        ]
         if gone:
             L += [
                 "",

@@ -76,9 +76,10 @@ def ws(tiny_model, tiny_data, tmp_path, tmp_path_factory, monkeypatch):  # noqa:
     tensors["merge_threshold"][0] = 1e300
     save_file(tensors, str(tmp_path / "huge.safetensors"), metadata=meta)
     (tmp_path / "other.json").write_text(
-        json.dumps({"method": "tome", "gmacs": 0.1, "top1": 50.0, "images": 18, "correct": "0" * 18,
-                    "images_sha256": "0" * 64})
-    )  # fmt: skip
+        json.dumps(
+            {"method": "tome", "gmacs": 0.1, "top1": 50.0, "images": 18, "correct": "0" * 18, "images_sha256": "0" * 64}
+        )
+    )
     named = tmp_path / "named"  # the tiny model with class names, and data folders that do not match them
     named.mkdir()
     for f in Path(tiny_model.split(":", 1)[1]).iterdir():
@@ -632,14 +633,18 @@ def test_bench_of_an_export_made_for_another_input_size_is_one_line(ws, tmp_path
 
     other = tmp_path / "other16"  # the tiny model at 16 pixels
     args = dict(img_size=16, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=3)
-    save_for_hf(timm.create_model("vit_tiny_patch16_224", **args), str(other), model_args=args,
-                data_config=dict(input_size=(3, 16, 16), crop_pct=1.0, mean=(0.5,) * 3, std=(0.25,) * 3))  # fmt: skip
+    save_for_hf(
+        timm.create_model("vit_tiny_patch16_224", **args),
+        str(other),
+        model_args=args,
+        data_config=dict(input_size=(3, 16, 16), crop_pct=1.0, mean=(0.5,) * 3, std=(0.25,) * 3),
+    )
     pt2 = tmp_path / "m.pt2"
-    assert main(["--quiet", "export", "--model", f"local-dir:{other}", "--method", "tome", "--r", "1", "--output",
-                 str(pt2)]) == 0  # fmt: skip
+    export = ["--quiet", "export", "--model", f"local-dir:{other}", "--method", "tome", "--r", "1", "--output"]
+    assert main([*export, str(pt2)]) == 0
     capsys.readouterr()
-    code = main(["--quiet", "bench", "--model", ws["model"], "--method", "tome", "--r", "2", "--exported", str(pt2),
-                 "--batch-size", "2", "--warmup", "0", "--reps", "1", "--rounds", "1"])  # fmt: skip
+    timing = "--method tome --r 2 --batch-size 2 --warmup 0 --reps 1 --rounds 1".split()
+    code = main(["--quiet", "bench", "--model", ws["model"], "--exported", str(pt2), *timing])
     _one_line(capsys, code, f"--exported {pt2} does not run on this model's inputs (3, 32, 32)")
 
 
