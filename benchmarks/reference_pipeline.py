@@ -379,18 +379,7 @@ def summarize(args) -> dict:
             }
             (folder / "schedule.json").write_text(json.dumps(learned))
         correct = learned["correct"]
-        base = [
-            "eval",
-            "--model",
-            f"local-dir:{SHARED_MODEL}",
-            "--pretrained",
-            "--data-dir",
-            str(DATA),
-            "--val-split",
-            "test",
-            "--method",
-            METHODS[method],
-        ]
+        base = eval_args(METHODS[method])
         rows = {}
         for kind, flags in (
             ("even", ["--match-gmacs", str(learned["gmacs"])]),
@@ -431,6 +420,23 @@ def summarize(args) -> dict:
         out["runs"] = {n: out["runs"][n] for n in order if n in out["runs"]}
         write_json(args.json, out)
     return out
+
+
+def eval_args(method: str) -> list[str]:
+    """``ltmp eval`` of the bundled model on the 10,000 test images with ``method`` (flags to add)."""
+    model = f"local-dir:{SHARED_MODEL}"
+    return [
+        "eval",
+        "--model",
+        model,
+        "--pretrained",
+        "--data-dir",
+        str(DATA),
+        "--val-split",
+        "test",
+        "--method",
+        method,
+    ]
 
 
 def ltmp_train(folder: Path, method: str, scale: str, seed: int = SEED) -> str | None:
@@ -484,16 +490,7 @@ def train_ours(folder: Path, method: str, scale: str) -> dict:
     if not (folder / "test.json").exists():
         run(
             [
-                "eval",
-                "--model",
-                f"local-dir:{SHARED_MODEL}",
-                "--pretrained",
-                "--data-dir",
-                str(DATA),
-                "--val-split",
-                "test",
-                "--method",
-                method,
+                *eval_args(method),
                 "--thresholds",
                 str(folder / "thresholds.safetensors"),
                 "--json",
