@@ -13,8 +13,9 @@ scaled to one epoch here), for each seed, this script trains:
 ``HIGH`` is checked first: each block's 99th percentile of patch-token importance on the unreduced model
 (``importance_p99``, kept as ``importance_p99``) must lie below it. For each run it records how many steps ran, the
 steps at which some prune threshold was at or above ``HIGH`` (a jump that prunes nearly a whole block), the longest
-such spell of one block, the thresholds' range, the final thresholds and the blocks whose final threshold is at or
-above ``HIGH``; ``--json`` keeps them. Runs are kept under ``--runs`` and reused.
+such spell of one block, how many spells ended before the last step and their median length, the spells still on at
+the last step (their steps and values), the thresholds' range and the final thresholds; ``--json`` keeps them. Runs
+are kept under ``--runs`` and reused.
 
     python benchmarks/reference_seeds.py --reference PATH --python REF_PYTHON [--scale 10x] [--seeds 0 1 2]
         [--runs runs/reference-seeds] [--json results/reference_seeds.json]
@@ -58,23 +59,32 @@ def importance_p99(n: int = 256) -> list[float]:
 
 
 def summary(steps: list[list[float]]) -> dict:
-    """What a run's per-step prune thresholds (steps x blocks) show."""
+    """What a run's per-step prune thresholds (steps x blocks) show. A spell is a block's run of steps at or above
+    ``HIGH``; one still running at the last step is open."""
     high = [i + 1 for i, t in enumerate(steps) if max(t) >= HIGH]
     final = [round(t, 4) for t in steps[-1]] if steps else []
-    ends = [i + 1 for i, t in enumerate(final) if t >= HIGH]  # blocks still (nearly) emptied at the end
-    longest = (0, None)  # (steps in a row at or above HIGH, block from 1)
+    spells, open_ = [], []  # (length, block from 1)
     for b in range(len(final)):
         run = 0
         for t in steps:
-            run = run + 1 if t[b] >= HIGH else 0
-            longest = max(longest, (run, b + 1), key=lambda x: x[0])
+            if t[b] >= HIGH:
+                run += 1
+            elif run:
+                spells.append((run, b + 1))
+                run = 0
+        if run:
+            open_.append((run, b + 1))
+    lengths = sorted(n for n, _ in spells)
     low, top = (min(min(t) for t in steps), max(max(t) for t in steps)) if steps else (None, None)
     return {
         "steps": len(steps),
         "high_steps": high,
         "final": final,
-        "ends_high": ends,
-        "longest_high": longest,
+        "ends_high": [b for _, b in open_],  # blocks still (nearly) emptied at the end
+        "longest_high": max(spells + open_, default=(0, None)),  # (steps in a row, block)
+        "spells": len(spells),  # ended before the last step
+        "median_spell": lengths[len(lengths) // 2] if lengths else None,
+        "open_at_end": [[b, n, [round(t[b - 1], 4) for t in steps[-n:]]] for n, b in open_],  # block, steps, values
         "range": [low, top],
     }
 
@@ -116,8 +126,10 @@ def main() -> None:
                 f"{code} seed {seed}: {r['steps']} steps"
                 + (f", {r['stopped']}" if r.get("stopped") else "")
                 + f"; a threshold >= {HIGH} at {len(r['high_steps'])} steps (first {r['high_steps'][:5]}), "
-                f"at most {r['longest_high'][0]} in a row (block {r['longest_high'][1]}), at the end in blocks "
-                f"{r['ends_high'] or 'none'}; range {r['range'][0]:.4g} to {r['range'][1]:.4g}",
+                f"at most {r['longest_high'][0]} in a row (block {r['longest_high'][1]}); {r['spells']} spells "
+                f"ended (median {r['median_spell']} steps); still on at the end: "
+                + (", ".join(f"block {b} for the last {n} steps ({v})" for b, n, v in r["open_at_end"]) or "none")
+                + f"; range {r['range'][0]:.4g} to {r['range'][1]:.4g}",
                 flush=True,
             )
             write_json(args.json, result)
