@@ -212,6 +212,41 @@ def ref_train(args) -> None:
     train.main()
 
 
+def ref_grad(args) -> None:
+    """The reference's prune-threshold gradients on one batch at given thresholds (``grad_in.pt`` in ``--out``:
+    images, labels, per-block prune thresholds), as its train script forms the loss: label-smoothed cross-entropy
+    (0.1) and ``10 * (r_FLOPs - 0.5)^2`` with its FLOPs formula (tools/train.py:1138-1150); ``grad_out.json``."""
+    import torch
+    from timm.loss import LabelSmoothingCrossEntropy
+    from timm.models import create_model
+
+    _register(args.reference)
+    torch.set_num_threads(2)
+    out = Path(args.out)
+    spec = torch.load(out / "grad_in.pt")
+    model = create_model(f"{args.method}_vitcifar", pretrained=True, tau=0.1)
+    model.train()
+    named = dict(model.named_parameters())
+    thresholds = [named[f"blocks.{i}.prune_masker.threshold"] for i in range(len(model.blocks))]
+    with torch.no_grad():
+        for p, t in zip(thresholds, spec["prune"]):
+            p.fill_(t)
+    ce = LabelSmoothingCrossEntropy(smoothing=0.1)(model(spec["images"]), spec["labels"])
+    layers, d, n = len(model.blocks), model.embed_dim, model.masks[0].shape[-1]
+    ms = [1] + [torch.mean(m) for m in model.masks]
+    flops_r = sum(
+        (1 / layers)
+        * ((2 * (ms[i] * n) * d**2 + (ms[i] * n) ** 2 * d) + (4 * (ms[i + 1] * n) * d**2))
+        / (6 * n * d**2 + n**2 * d)
+        for i in range(layers)
+    )
+    result = {"r_flops": float(flops_r), "ce_loss": float(ce)}
+    for part, loss in (("ce", ce), ("budget", 10.0 * (flops_r - R_TARGET) ** 2)):
+        grads = torch.autograd.grad(loss, thresholds, retain_graph=True, allow_unused=True, materialize_grads=True)
+        result[part] = [float(g) for g in grads]
+    (out / "grad_out.json").write_text(json.dumps(result))
+
+
 def ref_eval(args) -> None:
     """The trained thresholds on the test split: the reference's inference model at batch 1 (per image: correct,
     and per block merged, pruned and kept patch tokens), and its masked training model at batch 128 (the accuracy
@@ -517,7 +552,7 @@ def main() -> None:
     p.add_argument("--runs", default=str(ROOT / "runs" / "reference"))
     p.add_argument("--json", default=str(ROOT / "results" / "reference.json"))
     p.add_argument("--only", nargs="+", help="train and evaluate only these runs (e.g. ltp-30x); finished ones stay")
-    p.add_argument("--stage", choices=["train", "eval"], help=argparse.SUPPRESS)  # inside the reference's env
+    p.add_argument("--stage", choices=["train", "eval", "grad"], help=argparse.SUPPRESS)  # inside the reference's env
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--scale", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -528,6 +563,8 @@ def main() -> None:
         return ref_train(args)
     if args.stage == "eval":
         return ref_eval(args)
+    if args.stage == "grad":
+        return ref_grad(args)
     if not args.python:
         p.error("--python: the Python of the reference's environment (timm 0.9.5) is required")
     summarize(args)

@@ -89,6 +89,53 @@ def summary(steps: list[list[float]]) -> dict:
     }
 
 
+def parity(args, runs: Path, step: int) -> dict:
+    """Both codes' prune-threshold gradients at the authors' seed-0 thresholds after ``step`` (clamped to [0, 1], as
+    their script clamps them), on the batch of ``gradient_parity.py`` (128 training images, no augmentation), each
+    with its training loss: the reference through ``reference_pipeline.py``'s grad stage, this project's as ``ltmp
+    train --recipe paper`` forms it (``ltmp.options.RECIPES["paper"]``: the reference's train-mode softmax, eq. 17
+    over every query row, label smoothing 0.1, the budget over all tokens pooled over the batch)."""
+    import torch
+    import torch.nn.functional as F
+
+    import gradient_parity as gp
+    import ltmp
+    from ltmp.flops import budget_loss_value
+    from ltmp.options import RECIPES
+    from ltmp.patching import blocks
+    from ltmp.record import mean_r_flops
+    from ltmp.train import threshold_training_mode
+
+    trace = (runs / f"authors-ltp-{args.scale}-s0" / "thresholds.jsonl").read_text().splitlines()
+    thresholds = [min(max(t, 0.0), 1.0) for t in json.loads(trace[step - 1])[0]]
+    model = gp.load_model()
+    images, labels = gp.reference_batch(gp.load_reference(), model)
+    folder = runs / f"parity-{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"images": images, "labels": labels, "prune": thresholds}, folder / "grad_in.pt")
+    run = argparse.Namespace(python=args.python, reference=args.reference, runs=str(runs))
+    _ref(run, "grad", folder.name, "ltp", args.scale, str(DATA))
+    theirs = json.loads((folder / "grad_out.json").read_text())
+    paper = RECIPES["paper"]
+    ours = {}
+    for form in dict.fromkeys((paper["mask_grad"], "eps")):  # the preset's form, and the eps form of the gradient
+        ltmp.patch(model, "ltp", tau=paper["tau"], prune_threshold=0.0, mask_grad=form)
+        model.ltmp_config.importance_rows = paper["importance_rows"]
+        params = [blk.prune_threshold for blk in blocks(model)]
+        with torch.no_grad():
+            for p, t in zip(params, thresholds):
+                p.fill_(t)
+        threshold_training_mode(model)
+        ce = F.cross_entropy(model(images), labels, label_smoothing=paper["label_smoothing"])
+        r = mean_r_flops(model, paper["budget_tokens"], paper["budget_pool"])
+        ours[form] = {"r_flops": float(r), "ce_loss": float(ce)}
+        for part, loss in (("ce", ce), ("budget", gp.LAMBDA * budget_loss_value(r, 0.5))):
+            grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True, materialize_grads=True)
+            ours[form][part] = [float(g) for g in grads]
+        ltmp.unpatch(model)
+    return {"step": step, "thresholds": thresholds, "authors": theirs, "ours": ours}
+
+
 def authors(args, folder: Path, seed: int) -> dict:
     if not (folder / "last.pth.tar").exists():
         from ltmp import data as ldata
@@ -112,6 +159,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--runs", default=str(HERE.parent / "runs" / "reference-seeds"))
     p.add_argument("--json", default=str(HERE.parent / "results" / "reference_seeds.json"))
+    p.add_argument(
+        "--parity", type=int, nargs="+", default=[], help="also compare gradients at these steps' thresholds"
+    )
     args = p.parse_args()
     runs = Path(args.runs)
     result = {"scale": args.scale, "lr": dict(zip(("prune", "merge"), learning_rates(args.scale))), "high": HIGH}
@@ -133,6 +183,18 @@ def main() -> None:
                 flush=True,
             )
             write_json(args.json, result)
+    for step in args.parity:
+        result.setdefault("parity", {})[str(step)] = r = parity(args, runs, step)
+        a = r["authors"]
+        for form, o in r["ours"].items():
+            for part in ("ce", "budget"):
+                print(f"step {step}, this project's {form} form: {part} gradients, block by block (authors / ours):")
+                print("  " + ", ".join(f"{x:.3g} / {y:.3g}" for x, y in zip(a[part], o[part])))
+            print(
+                f"  r_FLOPs {a['r_flops']:.4f} / {o['r_flops']:.4f}, "
+                f"cross-entropy {a['ce_loss']:.4f} / {o['ce_loss']:.4f}"
+            )
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

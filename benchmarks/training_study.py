@@ -96,12 +96,14 @@ PAPER_POINTS: dict[str, dict] = {
         ours="0",
         why="the paper's loss is cross-entropy (eq. 15)",
     ),
-    "mask gradient": dict(
-        flags=["--mask-grad", "eps"],
+    "masked softmax": dict(
+        flags=["--mask-grad", "reference"],
         methods=("ltmp", "ltp"),
-        where="ltmp/timm/threshold_masking.py:23-33",
-        ours="secant",
-        why="bounded by 1 where the eps form is bounded by 1e5 (attention sinks)",
+        where="ltmp/timm/threshold_masking.py:23-33 (eps 1e-5 over and under, max over every key; autograd)",
+        ours="secant (eval's forward)",
+        why="the train forward is eval's (removed keys left out) and the mask gradient is bounded by 1; the "
+        "reference's is bounded by 1e5, and where a removed key dominates a row its forward spreads attention back "
+        "onto removed keys (benchmarks/reference_seeds.py --parity)",
     ),
     "merged averages": dict(
         flags=["--merge-grad", "mask"],

@@ -83,6 +83,30 @@ def test_masked_attention_finite_when_a_masked_key_holds_the_row_max(dtype):
     assert torch.allclose(out.double(), ref, atol=tol, rtol=0), (out.double() - ref).abs().max()
 
 
+def test_reference_softmax_is_the_reference_codes_and_spreads_where_a_removed_key_dominates():
+    """mask_grad="reference": the reference code's softmax_with_mask (eps 1e-5 over and under, max over every key),
+    forward and mask gradient; where a removed key dominates a row it is not attention with the key removed."""
+    q, k, v = qkv()
+    keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1], [1, 0, 1, 1, 1, 1, 0, 1, 0]], dtype=torch.float64)
+    g = torch.randn(2, 3, 9, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def theirs(k, m):  # the formula of ltmp/timm/threshold_masking.py, written out
+        a = (q * 0.5) @ k.transpose(-2, -1)
+        e = (a - a.max(-1, keepdim=True).values).exp() * m[:, None, None, :]
+        return (e + 1e-5 / 9) / (e.sum(-1, keepdim=True) + 1e-5)
+
+    for key in (k, torch.cat([k[:, :, :2], q.mean(2, keepdim=True) * 400, k[:, :, 3:]], 2)):  # then key 2 a sink
+        m_ours, m_theirs = keep.clone().requires_grad_(), keep.clone().requires_grad_()
+        _, probs = ops.masked_attention(q, key, v, 0.5, m_ours, None, mask_grad="reference")
+        want = theirs(key, m_theirs)
+        assert torch.allclose(probs, want, atol=1e-15, rtol=0)
+        (probs * g).sum().backward()
+        (want * g).sum().backward()
+        assert torch.allclose(m_ours.grad, m_theirs.grad, atol=1e-12, rtol=1e-9)
+    exact = ops.masked_attention(q, key, v, 0.5, keep.clone().requires_grad_(), None, mask_grad="eps")[1]
+    assert exact[0, :, :, 2].max() == 0 and probs[0, :, :, 2].max() > 0.05  # the sink takes attention back
+
+
 def test_mean_column_importance_averages_surviving_rows_only():
     q, k, v = qkv()
     keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1, 1, 1]] * 2, dtype=torch.float64)

@@ -839,8 +839,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prune-init", type=FINITE, help="initial prune thresholds (default 0)")
     t.add_argument(
         "--mask-grad",
-        choices=["secant", "clamp", "eps"],
-        help="bounded form of eq. 6's gradient to removed tokens' masks (default secant; eps: the reference code's)",
+        choices=["secant", "clamp", "eps", "reference"],
+        help="bounded form of eq. 6's gradient to removed tokens' masks (default secant; eps: the reference code's "
+        "gradient; reference: its train-mode softmax, forward and gradient)",
     )
     t.add_argument(
         "--merge-grad",

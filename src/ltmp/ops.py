@@ -92,15 +92,39 @@ def masked_attention(
     bias = key_bias(None if soft else keep, log_size, attn.dtype)  # (B, N) or None
     if bias is not None:
         attn = attn + bias[:, None, None, :]
-    probs = MaskedSoftmax.apply(attn, keep.to(attn.dtype), mask_grad) if soft else attn.softmax(dim=-1)
+    probs = straight_through_softmax(attn, keep.to(attn.dtype), mask_grad) if soft else attn.softmax(dim=-1)
     p = F.dropout(probs, dropout) if dropout else probs
     return p.to(v.dtype) @ v, probs  # (B, H, N, D), (B, H, N, N)
 
 
-#: Forms of eq. 6's gradient with respect to a *removed* key's mask (see :class:`MaskedSoftmax`).
-MASK_GRADS = ("clamp", "eps", "secant")
-#: eps of the reference code's masked softmax denominator (the ``"eps"`` form).
+#: Forms of eq. 6's gradient with respect to a *removed* key's mask (see :class:`MaskedSoftmax`), and the reference
+#: code's own train-mode softmax (:func:`reference_softmax`).
+MASK_GRADS = ("clamp", "eps", "reference", "secant")
+#: eps of the reference code's masked softmax (the ``"eps"`` form and :func:`reference_softmax`).
 REFERENCE_EPS = 1e-5
+
+
+def straight_through_softmax(attn: Tensor, keep: Tensor, mask_grad: str) -> Tensor:
+    """Eq. 6 with train mode's straight-through mask ``keep`` (B, N) on the logits ``attn`` (B, H, N, N): the
+    reference code's own softmax for ``mask_grad="reference"`` (:func:`reference_softmax`), else attention with the
+    removed keys left out and ``mask_grad``'s form of their masks' gradient (:class:`MaskedSoftmax`)."""
+    if mask_grad == "reference":
+        return reference_softmax(attn, keep)
+    return MaskedSoftmax.apply(attn, keep, mask_grad)
+
+
+def reference_softmax(attn: Tensor, keep: Tensor) -> Tensor:
+    """The reference code's train-mode masked softmax of eq. 6 (its ``softmax_with_mask``), forward and autograd:
+    ``(exp(A_ij - max_k A_ik) m_j + eps / N) / (sum_k exp(A_ik - max_k A_ik) m_k + eps)``, the max over every key.
+    Unlike :class:`MaskedSoftmax` its forward is not attention with the removed keys left out: where removed keys
+    hold a row's largest logits by more than about ``log(1 / eps)`` (attention sinks, a block that pruned
+    everything), eps outweighs the kept keys and the row's attention spreads over every key, removed ones included.
+
+    Args:
+        attn: (B, H, N, N) logits. keep: (B, N) straight-through 0/1 mask.
+    """
+    e = (attn - attn.amax(dim=-1, keepdim=True)).exp() * keep[:, None, None, :]  # (B, H, N, N)
+    return (e + REFERENCE_EPS / attn.shape[-1]) / (e.sum(dim=-1, keepdim=True) + REFERENCE_EPS)
 
 
 class MaskedSoftmax(torch.autograd.Function):

@@ -76,7 +76,8 @@ def patch(
         k: Top-k baselines' tokens pruned (and merged, for ``topk-mp``) per layer.
         trace_source: Record which patches each token covers after every block (for visualization).
         mask_grad: Train mode: the bounded form of eq. 6's gradient to removed keys' masks, ``"secant"``,
-            ``"clamp"`` or ``"eps"`` (the reference code's); see ``ltmp.ops.MaskedSoftmax``.
+            ``"clamp"`` or ``"eps"`` (the reference code's), or ``"reference"``: the reference code's train-mode
+            softmax itself (``ltmp.ops.reference_softmax``); see ``ltmp.ops.MaskedSoftmax``.
         merge_grad: Train mode: merge thresholds learn through the attention masks and the merged averages
             (``"average"``) or through the masks only (``"mask"``, as the reference code).
         dense_output: The family's token outputs are per patch, shaped as the unpatched model's (timm
