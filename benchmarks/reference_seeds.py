@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from reference_pipeline import DATA, _ref, learning_rates, ltmp_train, write_json  # noqa: E402
+from reference_pipeline import DATA, R_TARGET, _ref, learning_rates, ltmp_train, write_json  # noqa: E402
 
 #: a prune threshold at or above this prunes more than 99% of its block's patch tokens: it is above every block's
 #: 99th percentile of patch-token importance on the unreduced model (:func:`importance_p99`, kept in the JSON)
@@ -129,7 +129,7 @@ def parity(args, runs: Path, step: int) -> dict:
         ce = F.cross_entropy(model(images), labels, label_smoothing=paper["label_smoothing"])
         r = mean_r_flops(model, paper["budget_tokens"], paper["budget_pool"])
         ours[form] = {"r_flops": float(r), "ce_loss": float(ce)}
-        for part, loss in (("ce", ce), ("budget", gp.LAMBDA * budget_loss_value(r, 0.5))):
+        for part, loss in (("ce", ce), ("budget", gp.LAMBDA * budget_loss_value(r, R_TARGET))):
             grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True, materialize_grads=True)
             ours[form][part] = [float(g) for g in grads]
         ltmp.unpatch(model)

@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 
 from ._version import __version__
-from .config import FIXED_RATE, LEARNED
+from .config import FIXED_RATE, LEARNED, MASK_GRADS, MERGE_GRADS
 from .errors import LtmpError, first_line
 from .options import AUGMENTS, CHOICES, LABELS, RECIPES
 
@@ -839,13 +839,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prune-init", type=FINITE, help="initial prune thresholds (default 0)")
     t.add_argument(
         "--mask-grad",
-        choices=["secant", "clamp", "eps", "reference"],
+        choices=MASK_GRADS,
         help="bounded form of eq. 6's gradient to removed tokens' masks (default secant; eps: the reference code's "
         "gradient; reference: its train-mode softmax, forward and gradient)",
     )
     t.add_argument(
         "--merge-grad",
-        choices=["average", "mask"],
+        choices=MERGE_GRADS,
         help="merge thresholds learn through the masks and merged averages (default), or the masks only",
     )
     t.add_argument(

@@ -26,6 +26,10 @@ LEARNED = tuple(m for m, (_, kind) in METHODS.items() if kind == "threshold")
 FIXED_RATE = tuple(m for m, (_, kind) in METHODS.items() if kind == "topk")
 #: How merge thresholds learn in train mode (``ReduceConfig.merge_grad``).
 MERGE_GRADS = ("average", "mask")
+#: Train mode's masked softmax (``ReduceConfig.mask_grad``): the form of eq. 6's gradient with respect to a
+#: *removed* key's mask (``ltmp.ops.MaskedSoftmax``), or the reference code's own softmax
+#: (``ltmp.ops.reference_softmax``).
+MASK_GRADS = ("clamp", "eps", "reference", "secant")
 #: A removed token's dense output (``ReduceConfig.dense_fill``).
 DENSE_FILLS = ("last", "zero")
 
@@ -39,7 +43,7 @@ class ReduceConfig:
     importance: str = "mean"  # "mean": mean column attention (eq. 17); "cls": class attention (eq. 16)
     num_prefix: int = 1  # prefix tokens (class, distillation, registers) at the front; never reduced
     rate: tuple[int, ...] | None = None  # fixed-rate methods: tokens per layer (r for ToMe, k for top-k)
-    mask_grad: str = "secant"  # train mode: bounded form of eq. 6's gradient to removed keys' masks (ops.MASK_GRADS)
+    mask_grad: str = "secant"  # train mode: bounded form of eq. 6's gradient to removed keys' masks (MASK_GRADS)
     merge_grad: str = "average"  # train mode: merge thresholds learn through the masks of eq. 5-7 and the merged
     #                              averages ("average"), or through the masks only ("mask", the reference code)
     combine: str = "product"  # train mode, a token two of a block's modules decide on (LTMP's set A): its keep mask

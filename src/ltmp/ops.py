@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .config import MASK_GRADS
 from .errors import LtmpError
 
 
@@ -97,9 +98,6 @@ def masked_attention(
     return p.to(v.dtype) @ v, probs  # (B, H, N, D), (B, H, N, N)
 
 
-#: Forms of eq. 6's gradient with respect to a *removed* key's mask (see :class:`MaskedSoftmax`), and the reference
-#: code's own train-mode softmax (:func:`reference_softmax`).
-MASK_GRADS = ("clamp", "eps", "reference", "secant")
 #: eps of the reference code's masked softmax (the ``"eps"`` form and :func:`reference_softmax`).
 REFERENCE_EPS = 1e-5
 

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import engine, ops
+from . import engine
 from .adapters import ADAPTERS, Adapter, adapter_for
-from .config import DENSE_FILLS, MERGE_GRADS, METHODS, ReduceConfig
+from .config import DENSE_FILLS, MASK_GRADS, MERGE_GRADS, METHODS, ReduceConfig
 from .errors import LtmpError
 
 THRESHOLD_NAMES = ("merge_threshold", "prune_threshold")
@@ -93,7 +93,7 @@ def patch(
     choices = {
         "method": (method, METHODS),
         "importance": (importance, ("mean", "cls")),  # eq. 17, eq. 16
-        "mask_grad": (mask_grad, ops.MASK_GRADS),
+        "mask_grad": (mask_grad, MASK_GRADS),
         "merge_grad": (merge_grad, MERGE_GRADS),
         "dense_fill": (dense_fill, DENSE_FILLS),
     }

@@ -84,7 +84,7 @@ class TrainConfig:
     lr_merge: float | None = None  # merge thresholds' learning rate; None: OPTIMIZER_DEFAULTS (sgd: per run length)
     merge_init: float | None = None  # initial merge thresholds; None: OPTIMIZER_DEFAULTS (1.0: no reduction)
     prune_init: float = 0.0  # initial prune thresholds (reference code)
-    mask_grad: str = "secant"  # bounded form of eq. 6's gradient to removed tokens' masks (ltmp.ops.MASK_GRADS)
+    mask_grad: str = "secant"  # bounded form of eq. 6's gradient to removed tokens' masks (ltmp.config.MASK_GRADS)
     merge_grad: str = "average"  # merge thresholds learn through masks and merged averages, or masks only ("mask")
     label_smoothing: float = 0.0  # of the cross-entropy (the reference code: 0.1, timm's default)
     combine: str = "product"  # a token two modules decide on: the product of their masks, or "overwrite" (ReduceConfig)
