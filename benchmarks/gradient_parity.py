@@ -101,13 +101,20 @@ def case_gradients(model, images: torch.Tensor, labels: torch.Tensor, case: dict
     params = {
         kind: [p for n, p in model.named_parameters() if n.endswith(f"{kind}_threshold")] for kind in ("merge", "prune")
     }
-    flat = params["merge"] + params["prune"]
-    for part, loss in (("ce", ce), ("budget", budget)):
-        # the last block's thresholds decide nothing the cross-entropy sees: zero, as in the reference file
-        grads = torch.autograd.grad(loss, flat, retain_graph=True, allow_unused=True, materialize_grads=True)
-        nm = len(params["merge"])
-        out[part] = {"merge": [float(g) for g in grads[:nm]], "prune": [float(g) for g in grads[nm:]]}
+    nm = len(params["merge"])
+    for part, grads in threshold_grads({"ce": ce, "budget": budget}, params["merge"] + params["prune"]).items():
+        out[part] = {"merge": grads[:nm], "prune": grads[nm:]}
     ltmp.unpatch(model)
+    return out
+
+
+def threshold_grads(losses: dict[str, torch.Tensor], params: list[torch.Tensor]) -> dict[str, list[float]]:
+    """Each loss's gradient to each threshold, 0 where it does not reach one (the last block's thresholds decide
+    nothing the cross-entropy sees: zero, as in the reference file)."""
+    out = {}
+    for part, loss in losses.items():
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True, materialize_grads=True)
+        out[part] = [float(g) for g in grads]
     return out
 
 

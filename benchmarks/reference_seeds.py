@@ -128,10 +128,8 @@ def parity(args, runs: Path, step: int) -> dict:
         threshold_training_mode(model)
         ce = F.cross_entropy(model(images), labels, label_smoothing=paper["label_smoothing"])
         r = mean_r_flops(model, paper["budget_tokens"], paper["budget_pool"])
-        ours[form] = {"r_flops": float(r), "ce_loss": float(ce)}
-        for part, loss in (("ce", ce), ("budget", gp.LAMBDA * budget_loss_value(r, R_TARGET))):
-            grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True, materialize_grads=True)
-            ours[form][part] = [float(g) for g in grads]
+        losses = {"ce": ce, "budget": gp.LAMBDA * budget_loss_value(r, R_TARGET)}
+        ours[form] = {"r_flops": float(r), "ce_loss": float(ce), **gp.threshold_grads(losses, params)}
         ltmp.unpatch(model)
     return {"step": step, "thresholds": thresholds, "authors": theirs, "ours": ours}
 
