@@ -9,6 +9,12 @@ each against dense, and this checkout against the other commit.
     python benchmarks/ab.py --base HEAD~1 --model deit-s --batch-size 32
     python benchmarks/ab.py --base 8fc40c6 --model cifar --batch-size 1 --method tome
     python benchmarks/ab.py --base 051fca3 --model cifar --batch-size 64 --train   # train fwd + bwd, new / base
+    python benchmarks/ab.py --base 0f8a7e2 --model cifar --method tome --deployed onnx --threads 2
+
+``--deployed RUNTIME`` times the three models exported for a deployment runtime instead, each package exporting its
+own (``ltmp.export.deploy``), one image at a time as ``ltmp bench --deployed`` does (``--threads``): the ratio of the
+two deployed engines in the same interleaved rounds, where two runs of ``benchmarks/deployed.py`` would compare ratios
+to dense from different hours.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 import ltmp
 from common import ROOT, at_gmacs, calibrated, load_images, load_model, mean_gmacs
 from ltmp.bench import allocator, compare_models, paired_ratio
+from ltmp.export import RUNTIMES
 
 
 def load_base(commit: str, folder: Path):
@@ -51,6 +58,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--train", action="store_true", help="time a train-mode forward + backward (LTMP) instead")
+    p.add_argument("--deployed", choices=sorted(RUNTIMES), help="time the models exported for this runtime instead")
+    p.add_argument("--threads", type=int, default=1, help="with --deployed: the runtime's threads")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base_pkg = load_base(args.base, Path(tmp))
@@ -75,13 +84,25 @@ def main() -> int:
                 f"against {args.base}: same kept counts {same}, max |logit difference| "
                 f"{float((a - b).abs().max()):.2e}; {allocator()}"
             )
-            timed = compare_models(
-                {"dense": dense, "new": new, "base": base}, inputs, warmup=1, reps=args.reps, rounds=args.rounds
-            )
+            models = {"dense": dense, "new": new, "base": base}
+            if args.deployed:
+                models = deployed(models, base_pkg, x[:1], args.deployed, args.threads, Path(tmp))
+                inputs = [x[i : i + 1] for i in range(8)]
+                print(f"  deployed for {args.deployed}, {args.threads} thread(s), one image at a time")
+            timed = compare_models(models, inputs, warmup=1, reps=args.reps, rounds=args.rounds)
     for num, den in (("new", "dense"), ("base", "dense"), ("new", "base")):
         v = paired_ratio(timed, num, den)
         print(f"  {num} / {den}: {v['median']:.3f} (quartiles {v['p25']:.3f}-{v['p75']:.3f})")
     return 0
+
+
+def deployed(models: dict, base_pkg, example: torch.Tensor, runtime: str, threads: int, folder: Path) -> dict:
+    """The models exported for ``runtime`` (the base by its own package's export) and loaded with ``threads``."""
+    out = {}
+    for name, m in models.items():
+        export = importlib.import_module(f"{(base_pkg if name == 'base' else ltmp).__name__}.export")
+        out[name] = export.load_deployed(export.deploy(m, example, runtime, folder, name), runtime, threads)
+    return out
 
 
 def train_ab(args, base_pkg) -> int:

@@ -52,7 +52,7 @@ def main() -> None:
     importance = torch.randn(1, H, N, N).softmax(-1).mean(dim=(1, 2))
     state = TokenState(size=torch.ones(N), layout=Layout(1, N))
     cfg = ReduceConfig(method="ltmp")
-    p = plan(cfg, training=False, device=x.device.type)
+    p = plan(cfg, training=False, device=x.device.type, keep_one=False)
     mt, pt = torch.tensor(0.3), torch.tensor(0.5 / N)
 
     def step():
