@@ -123,7 +123,7 @@ def attend(
             groups = plan_groups(L.counts, pair, tune["group_macs"], tune["max_groups"])
             if groups is not None:
                 return attend_in_groups(plan, view, cfg, qkv, state, groups)
-    keep = None if L.real is None or state.merged_once else L.real  # padding keys (size 0 masks them if merged)
+    keep = None if state.merged_once else L.real  # padding keys (size 0 masks them if merged)
     o, importance, metric = attention(plan, view, cfg, L.pad(qkv), L.pad(state.size), keep, L.real, state.merged_once)
     return L.take(o.view(B * N, -1)), importance, metric
 

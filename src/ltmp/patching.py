@@ -175,8 +175,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         return model
     for blk in blocks(model):
         for name in THRESHOLD_NAMES:
-            if name in blk._parameters:
-                del blk._parameters[name]
+            blk._parameters.pop(name, None)
     model._ltmp_hook.remove()
     for name in ("ltmp_config", "ltmp_record", "_ltmp_hook", "_ltmp_hooks"):
         delattr(model, name)

@@ -304,7 +304,7 @@ def reduce_step(
             stays = m.stays if alive is None else alive.gather(1, m.src) & m.stays  # (B, Na)
             alive = torch.ones(B, N, dtype=torch.bool, device=x.device) if alive is None else alive
             alive = alive.scatter(1, m.src, stays)  # (B, N)
-            if importance is not None and cfg.ops[-1] == "prune":  # a merged group's importance, for pruning
+            if cfg.ops[-1] == "prune":  # a merged group's importance, for pruning
                 importance = ops.group_max(importance, m.src, m.dst, m.stays)  # (B, N)
             decisions[op] = m
         else:
