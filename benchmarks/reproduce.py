@@ -676,7 +676,8 @@ def render(
         else (set(jobs.saved["pending"]) | jobs.pending, jobs.saved["failed"])
     )  # rendering: also what RAW lacks
     status = (
-        "All jobs done."
+        "All of this script's jobs done (section A's runs are `benchmarks/reference_pipeline.py`'s: it says what "
+        "is pending there)."
         if not pending
         else (
             f"{len(pending)} jobs (and what depends on them) are still pending"
