@@ -43,6 +43,7 @@ section from it).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -373,6 +374,7 @@ def summarize(args) -> dict:
         "num_patches": spec.num_patches,
         "planned": [name for name, _, _ in runs_of()],
         "machine": f"x86_64 CPU, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "date": datetime.date.today().isoformat(),  # of this run (runs measured before keep their entries)
         "runs": {},
     }
     recorded = json.loads(Path(args.json).read_text())["runs"] if Path(args.json).exists() else {}

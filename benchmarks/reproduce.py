@@ -30,6 +30,7 @@ not change what these runs were.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import platform
 import shutil
@@ -73,6 +74,7 @@ class Jobs:
         self.machine = (saved or {}).get("machine") or (
             f"{platform.machine()} CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
         )
+        self.date = (saved or {}).get("date")  # the day a command last ran for RAW
 
     def _late(self, name: str) -> bool:
         """Past the deadline, or rendering only: the job stays pending."""
@@ -103,6 +105,7 @@ class Jobs:
         if self._late(name):
             return False
         try:
+            self.date = datetime.date.today().isoformat()
             run(args)
         except SystemExit:
             self.pending.add(name)
@@ -599,6 +602,7 @@ def main() -> None:
             "source": "benchmarks/reproduce.py",
             "recipe": RECIPE_NAME,
             "machine": jobs.machine,
+            "date": jobs.date,
             "pending": sorted(jobs.pending),
             "failed": jobs.failed,
             "results": dict(sorted(jobs.raw.items())),
@@ -689,7 +693,9 @@ def render(
         "# The paper's claims at small scale",
         "",
         "Produced by `python benchmarks/reproduce.py` (resumable; `--hours H` spreads it over several runs; "
-        "`--render` rewrites this page from the raw results alone). Machine: " + jobs.machine + ". Raw results: "
+        "`--render` rewrites this page from the raw results alone). Machine: " + jobs.machine + f"; claims 1-8 last "
+        f"run {jobs.date}" + (f", section A {reference['date']}" if reference and reference.get("date") else "") + ". "
+        "Raw results: "
         "`results/reproduce.json` and `results/reference.json`. Model: the CIFAR-10 ViT of `../shared/models` "
         "(12 blocks, 65 tokens" + (f", {dense['gmacs_dense']:.4f} GMACs" if dense else "") + ") in place of the "
         "paper's ImageNet DeiTs; accuracy on the 10,000 CIFAR-10 test images.",
