@@ -4,6 +4,8 @@
 2. GEMM scaling: a 384 -> 1536 linear at 98 and 197 tokens, and at a fixed vs varying token count.
 3. LTMP (calibrated to r_FLOPs 0.7 on 16 images) and ToMe at the same GMACs against dense, 8 images at batch 1,
    with 1 and with 2 threads.
+4. The modules that do nothing in eval (timm's dropouts and identities) in one batch-1 LTMP forward on the CIFAR-10
+   ViT: how many it calls, the time of one call of each, and their share of the forward.
 
     python benchmarks/overhead.py
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -94,6 +97,25 @@ def main() -> None:
             f"{paired_ratio(t, 'ltmp', 'dense')['median']:.3f}, ToMe {paired_ratio(t, 'tome', 'dense')['median']:.3f}"
             f" (dense {1000 * t['dense']['median'] / len(singles):.1f} ms per image)"
         )
+
+    small = load_model("cifar")
+    red, _ = calibrated(small, 0.5)
+    x = load_images(small, "test", 1)  # (1, 3, H, W)
+    calls = Counter()
+    hook = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: calls.update([type(m).__name__]))
+    red(x)
+    hook.remove()
+    spec = ltmp.vit_spec(small)
+    t = torch.randn(spec.num_prefix + spec.num_patches, spec.embed_dim)  # (N, C): one image's rows
+    idle = {"Dropout": torch.nn.Dropout(0.0).eval(), "Identity": torch.nn.Identity()}
+    us = {k: statistics.median(per_call_us(lambda m=m: m(t), 20000) for _ in range(5)) for k, m in idle.items()}
+    fwd = statistics.median(per_call_us(lambda: red(x), 50) for _ in range(5))
+    spent = sum(calls[k] * us[k] for k in idle)
+    print(
+        f"4. one batch-1 LTMP forward on the CIFAR-10 ViT, {torch.get_num_threads()} thread(s): "
+        + ", ".join(f"{calls[k]} {k} calls of {us[k]:.2f} us" for k in idle)
+        + f": {spent:.0f} us of {fwd:.0f} us ({spent / fwd:.1%})"
+    )
 
 
 if __name__ == "__main__":
