@@ -60,7 +60,8 @@ def record(folder: Path, name: str) -> dict | str | None:
         if value is None:
             return None
     elif name == "stopped.txt":
-        steps = len((folder / "log.jsonl").read_text().splitlines())
+        log = folder / "log.jsonl"  # none when training refused to start
+        steps = len(log.read_text().splitlines()) if log.exists() else 0
         value = KEPT[key] = f"stopped at step {steps}: {(folder / name).read_text().strip()}"
     else:
         value = KEPT[key] = compact(json.loads((folder / name).read_text()))
@@ -323,8 +324,9 @@ def train(folder: Path, target: float, extra: list[str], settings: list[str]) ->
     print(" ".join(cmd), flush=True)
     res = subprocess.run(cmd, capture_output=True, text=True)
     sys.stdout.write(res.stdout + res.stderr)
-    if res.returncode:  # e.g. training stopped on a collapsed block: keep its message, don't retry
-        (folder / "stopped.txt").write_text(res.stderr.strip().splitlines()[-1] + "\n")
+    if res.returncode:  # e.g. training stopped on a collapsed block, or refused to start: keep its message
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "stopped.txt").write_text(res.stderr.strip().splitlines()[-1].removeprefix("ltmp: error: ") + "\n")
 
 
 def row(name: str, target: float, folder: Path) -> str | None:
@@ -569,11 +571,12 @@ def recipe_table(runs: Path) -> str:
 
     (target,), _ = STUDIES["recipe"]
 
-    def gap(name: str) -> tuple[dict, list] | None:  # the run's record and its gap's image-test terms
-        ev, base = (
-            record(runs / f"{name}-r{target}", "eval.json"),
-            record(runs / f"{name}-r{target}", "heldout-even.json"),
-        )
+    def gap(name: str) -> tuple[dict, list] | str | None:  # the run's record and its gap's image-test terms
+        folder = runs / f"{name}-r{target}"
+        stopped = record(folder, "stopped.txt")
+        if isinstance(stopped, str):  # why training stopped, or refused to start
+            return stopped
+        ev, base = record(folder, "eval.json"), record(folder, "heldout-even.json")
         if not (isinstance(ev, dict) and isinstance(base, dict)):
             return None
         return ev, [(1.0, [ev["correct"]]), (-1.0, [base["correct"]])]
@@ -590,7 +593,9 @@ def recipe_table(runs: Path) -> str:
             flip = gap(f"{m}-default-{point.replace(' ', '-')}") if m in p["methods"] else None
             if m not in p["methods"]:
                 cells[point, m] = "n/a"
-            elif flip is None or presets[m] is None:
+            elif isinstance(flip, str):
+                cells[point, m] = flip
+            elif not isinstance(flip, tuple) or not isinstance(presets[m], tuple):
                 cells[point, m] = "pending"
             else:
                 t = image_test(flip[1] + [(-w, c) for w, c in presets[m][1]])
@@ -603,7 +608,8 @@ def recipe_table(runs: Path) -> str:
     lines = [
         f"Paper's recipe, r_target {target} (held-out top-1, r_FLOPs, merged / pruned per image): "
         + "; ".join(
-            f"{m.upper()} " + ("pending" if presets[m] is None else run_cells(presets[m][0])) for m in ("ltmp", "ltp")
+            f"{m.upper()} " + (run_cells(presets[m][0]) if isinstance(presets[m], tuple) else presets[m] or "pending")
+            for m in ("ltmp", "ltp")
         ),
         "",
         f"| point | reference ({REFERENCE_COMMIT}) | default | why | LTMP: effect of the default (95% CI), "
