@@ -508,6 +508,8 @@ def ltmp_train(folder: Path, method: str, scale: str, seed: int = SEED) -> str |
             "--checkpoint-every",
             "10",
         ]
+        if (folder / "checkpoint.safetensors").exists():  # an interrupted run goes on from its last checkpoint
+            cmd.append("--resume")
         print("$ ltmp " + " ".join(cmd), flush=True)
         res = subprocess.run([sys.executable, "-m", "ltmp", "--quiet", *cmd], capture_output=True, text=True)
         if res.returncode:

@@ -1394,12 +1394,10 @@ def same_recipe(reference: dict, tests: Tests) -> list[str]:
         "`ltmp train --recipe paper` at the same learning rates, budget, seed and epoch (`ours-<setting>`), its "
         "thresholds evaluated by `ltmp eval` on the same test images. With the model, the recipe and the rates held "
         "equal, a difference from the authors' run at that setting is the code's. Each run is measured by its gap "
-        "to top-k pruning at its own GMACs (even schedule), and the two gaps are compared image by image. These runs "
-        "trained with `--mask-grad eps` (their `config.json`): the reference's form of eq. 6's gradient on eval's "
-        "forward, not the reference's own train-mode softmax, which `--recipe paper` takes (`--mask-grad reference`) "
-        "and with which both codes' losses and threshold gradients are equal at the states `python "
-        "benchmarks/reference_seeds.py --parity` checks; where a removed key dominates a row the two softmaxes "
-        "differ (training.md), so these pairs are to be trained again with the preset.",
+        "to top-k pruning at its own GMACs (even schedule), and the two gaps are compared image by image. The preset "
+        "trains through the reference's own train-mode softmax (`--mask-grad reference`), with which both codes' "
+        "losses and threshold gradients are equal at the states `python benchmarks/reference_seeds.py --parity` "
+        "checks (training.md).",
         "",
         "| setting | lr prune / merge | r_FLOPs: ours / authors' | top-1: ours / authors' | pruned per image: ours "
         "/ authors' | ours - top-k (95% CI, Holm p) | authors' - top-k | ours' gap - authors' gap (95% CI, Holm p) |",
