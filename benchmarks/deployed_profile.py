@@ -47,14 +47,14 @@ def profile(path: Path, images: list[torch.Tensor], threads: int, reps: int, fol
     opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.enable_profiling, opts.profile_file_prefix = True, str(Path(folder) / f"{path.stem}-{threads}")
-    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
+    runner = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    name = runner.get_inputs()[0].name
     for x in images:  # warm-up; its events are dropped below by run count
-        session.run(None, {name: x.numpy()})
+        runner.run(None, {name: x.numpy()})
     for _ in range(reps):
         for x in images:
-            session.run(None, {name: x.numpy()})
-    events = json.loads(Path(session.end_profiling()).read_text())
+            runner.run(None, {name: x.numpy()})
+    events = json.loads(Path(runner.end_profiling()).read_text())
     runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][len(images) :]
     start = runs[0]["ts"]
     nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= start]
@@ -94,11 +94,11 @@ def linear_floor(dense: torch.nn.Module, tokens: int, threads: int, reps: int = 
         [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(len(layers))],
         weights,
     )
-    session = _session(graph, threads)
+    runner = _runner(graph, threads)
     rows = [tokens, 3 * tokens // 4, tokens // 2, tokens // 4, 8]
     ms = [
         _time_ms(
-            session, {f"x{w}": np.random.default_rng(0).standard_normal((m, w), dtype=np.float32) for w in widths}, reps
+            runner, {f"x{w}": np.random.default_rng(0).standard_normal((m, w), dtype=np.float32) for w in widths}, reps
         )
         for m in rows
     ]
@@ -106,8 +106,8 @@ def linear_floor(dense: torch.nn.Module, tokens: int, threads: int, reps: int = 
     return float(a), float(b)
 
 
-def _session(graph, threads: int):
-    """An ONNX Runtime CPU session of an ``onnx.helper`` graph (opset 18), on ``threads`` intra-op threads."""
+def _runner(graph, threads: int):
+    """An ONNX Runtime CPU InferenceSession of an ``onnx.helper`` graph (opset 18), on ``threads`` intra-op threads."""
     import onnxruntime as ort
     from onnx import helper
 
@@ -117,15 +117,15 @@ def _session(graph, threads: int):
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def _time_ms(session, feed: dict, reps: int) -> float:
+def _time_ms(runner, feed: dict, reps: int) -> float:
     """Median of 5 timings of ``reps`` runs of ``feed``, in ms per run, after 3 warm-up runs."""
     for _ in range(3):
-        session.run(None, feed)
+        runner.run(None, feed)
     times = []
     for _ in range(5):
         t = time.perf_counter()
         for _ in range(reps):
-            session.run(None, feed)
+            runner.run(None, feed)
         times.append((time.perf_counter() - t) / reps * 1000)
     return float(np.median(times))
 
@@ -150,7 +150,7 @@ def mean_forms(threads: int, heads: int = 6, n: int = 197) -> dict[str, float]:
             [helper.make_tensor_value_info(prev, TensorProto.FLOAT, None)],
             axes,
         )
-        out[label] = 1000 * _time_ms(_session(graph, threads), {"x": x}, 200)
+        out[label] = 1000 * _time_ms(_runner(graph, threads), {"x": x}, 200)
     return out
 
 
