@@ -3,6 +3,7 @@ images of the speed studies, and the one training-free calibration recipe they u
 
 - ``MODEL``, ``DATA``: the CIFAR-10 ViT and CIFAR-10 copy of ``../shared`` (beside the repository).
 - :func:`run`: one ``ltmp`` command in this process, printed first; a failure exits with its code.
+- :func:`train_run`: one ``ltmp train`` in a subprocess that resumes an interrupted run and keeps why a run stopped.
 - :func:`load_model`, :func:`load_images`, :func:`mean_gmacs`, :func:`at_gmacs`: the speed studies' models
   (``cifar``, or ``deit-s`` / ``vit-b`` with random weights), bundled images, a patched model's mean GMACs, and
   fixed-rate baselines at a given GMACs; :func:`reference_tome`, the reference ToMe's own timm patch (a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,6 +53,25 @@ def run(args: list[str]) -> None:
     code = ltmp_main(["--quiet"] + args)
     if code:
         raise SystemExit(code)
+
+
+def train_run(folder: Path, flags: list[str], done: str = "thresholds.safetensors") -> str | None:
+    """``ltmp train FLAGS --output FOLDER`` in a subprocess, unless the folder holds ``done`` (a finished run) or
+    ``stopped.txt``; with ``--resume`` where an interrupted run left its checkpoint. Returns why training stopped
+    (its one-line error, kept in ``stopped.txt``: e.g. a refused start or a block that removed every patch token), or
+    None. The folder is made for ``stopped.txt`` when the run refused to start."""
+    stopped = folder / "stopped.txt"
+    if not (folder / done).exists() and not stopped.exists():
+        cmd = ["train", *flags, "--output", str(folder)]
+        if (folder / "checkpoint.safetensors").exists():
+            cmd.append("--resume")
+        print("$ ltmp " + " ".join(cmd), flush=True)
+        res = subprocess.run([sys.executable, "-m", "ltmp", "--quiet", *cmd], capture_output=True, text=True)
+        sys.stdout.write(res.stdout + res.stderr)
+        if res.returncode:
+            folder.mkdir(parents=True, exist_ok=True)
+            stopped.write_text(res.stderr.strip().splitlines()[-1].removeprefix("ltmp: error: ") + "\n")
+    return stopped.read_text().strip() if stopped.exists() else None
 
 
 def load_model(name: str) -> torch.nn.Module:

@@ -478,44 +478,14 @@ def eval_args(method: str) -> list[str]:
 
 def ltmp_train(folder: Path, method: str, scale: str, seed: int = SEED) -> str | None:
     """This project's ``ltmp train --recipe paper`` at a setting's learning rates (the same model, budget and epoch
-    as the authors' run); resumes an interrupted run. Returns why training stopped (its one-line error, kept in
-    ``stopped.txt``: e.g. a block that removes every patch token), or None."""
+    as the authors' run), by :func:`common.train_run`: resumes an interrupted run, returns why training stopped or
+    None. A checkpoint every 10 steps keeps the folder and its log when training stops early."""
+    from common import MODEL, train_run
+
     prune_lr, merge_lr = learning_rates(scale)
-    stopped = folder / "stopped.txt"
-    if not (folder / "thresholds.safetensors").exists() and not stopped.exists():
-        # a checkpoint every 10 steps keeps the folder and its log when training stops early
-        cmd = [
-            "train",
-            "--model",
-            f"local-dir:{SHARED_MODEL}",
-            "--pretrained",
-            "--data-dir",
-            str(DATA),
-            "--recipe",
-            "paper",
-            "--method",
-            method,
-            "--lr-prune",
-            repr(prune_lr),
-            "--lr-merge",
-            repr(merge_lr),
-            "--r-target",
-            str(R_TARGET),
-            "--seed",
-            str(seed),
-            "--output",
-            str(folder),
-            "--checkpoint-every",
-            "10",
-        ]
-        if (folder / "checkpoint.safetensors").exists():  # an interrupted run goes on from its last checkpoint
-            cmd.append("--resume")
-        print("$ ltmp " + " ".join(cmd), flush=True)
-        res = subprocess.run([sys.executable, "-m", "ltmp", "--quiet", *cmd], capture_output=True, text=True)
-        if res.returncode:
-            folder.mkdir(parents=True, exist_ok=True)
-            stopped.write_text(res.stderr.strip().splitlines()[-1].removeprefix("ltmp: error: ") + "\n")
-    return stopped.read_text().strip() if stopped.exists() else None
+    flags = ["--model", MODEL, "--pretrained", "--data-dir", str(DATA), "--recipe", "paper", "--method", method]
+    flags += ["--lr-prune", repr(prune_lr), "--lr-merge", repr(merge_lr), "--r-target", str(R_TARGET)]
+    return train_run(folder, [*flags, "--seed", str(seed), "--checkpoint-every", "10"])
 
 
 def train_ours(folder: Path, method: str, scale: str) -> dict:

@@ -37,11 +37,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-from common import DATA, MODEL, ROOT, compact, unpack
+from common import DATA, MODEL, ROOT, compact, train_run, unpack
 
 RAW = ROOT / "results" / "training_study.json"
 SAVED: dict | None = None  # --render: RAW's records; nothing is read from the runs or run
@@ -299,34 +297,12 @@ DEFAULT_SETTINGS = [
 
 
 def train(folder: Path, target: float, extra: list[str], settings: list[str]) -> None:
-    if (folder / "eval.json").exists() or (folder / "stopped.txt").exists():
-        return
-    cmd = [
-        sys.executable,
-        "-m",
-        "ltmp",
-        "--quiet",
-        "train",
-        "--model",
-        MODEL,
-        "--pretrained",
-        "--data-dir",
-        DATA,
-        "--output",
-        str(folder),
-        "--r-target",
-        str(target),
-        *settings,
-        *extra,
-    ]
-    if (folder / "checkpoint.safetensors").exists():
-        cmd.append("--resume")
-    print(" ".join(cmd), flush=True)
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    sys.stdout.write(res.stdout + res.stderr)
-    if res.returncode:  # e.g. training stopped on a collapsed block, or refused to start: keep its message
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "stopped.txt").write_text(res.stderr.strip().splitlines()[-1].removeprefix("ltmp: error: ") + "\n")
+    """One study run by :func:`common.train_run`; finished when ``ltmp train`` wrote its held-out ``eval.json``."""
+    train_run(
+        folder,
+        ["--model", MODEL, "--pretrained", "--data-dir", DATA, "--r-target", str(target)] + settings + extra,
+        "eval.json",
+    )
 
 
 def row(name: str, target: float, folder: Path) -> str | None:
