@@ -170,18 +170,19 @@ def attend_in_groups(
         As :func:`attend`.
     """
     L = state.layout
-    starts = np.cumsum([0, *L.counts])  # each image's first row
+    starts = torch.tensor(np.cumsum([0, *L.counts]))  # (B + 1,) each image's first row
     out = qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3)  # (T, H * D)
     importance = metric = None
     for images, n in groups:
-        counts = [L.counts[i] for i in images]
-        rows = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i] + c) for i, c in zip(images, counts)]))
-        sub = Layout(len(images), n, torch.arange(n) < torch.tensor(counts)[:, None], counts)  # the group's layout
-        keep = None if state.merged_once else sub.real
-        o, imp, met = attention(
-            plan, view, cfg, sub.pad(qkv[rows]), sub.pad(state.size[rows]), keep, sub.real, state.merged_once
-        )
-        out[rows] = sub.take(o.view(len(images) * n, -1))
+        counts = torch.tensor([L.counts[i] for i in images])[:, None]  # (b, 1)
+        real = torch.arange(n) < counts  # (b, n)
+        # each position's row, padding repeating its image's last row: one gather pads, and masked keys (and the
+        # padded queries, whose outputs are dropped) make what padding holds irrelevant
+        at = (starts[images][:, None] + torch.minimum(torch.arange(n), counts - 1)).view(-1)  # (b * n,)
+        size = state.size[at].masked_fill(~real.view(-1), 0).view(real.shape)  # (b, n), 0 at padding
+        keep = None if state.merged_once else real
+        o, imp, met = attention(plan, view, cfg, qkv[at].view(*real.shape, -1), size, keep, real, state.merged_once)
+        out[at[real.view(-1)]] = o.view(at.shape[0], -1)[real.view(-1)]
         sel = torch.tensor(images)[:, None]  # (b, 1)
         if imp is not None:
             importance = imp.new_zeros(L.batch, L.length) if importance is None else importance
