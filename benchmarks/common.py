@@ -59,7 +59,8 @@ def train_run(folder: Path, flags: list[str], done: str = "thresholds.safetensor
     """``ltmp train FLAGS --output FOLDER`` in a subprocess, unless the folder holds ``done`` (a finished run) or
     ``stopped.txt``; with ``--resume`` where an interrupted run left its checkpoint. Returns why training stopped
     (its one-line error, kept in ``stopped.txt``: e.g. a refused start or a block that removed every patch token), or
-    None. The folder is made for ``stopped.txt`` when the run refused to start."""
+    None. The folder is made for ``stopped.txt`` when the run refused to start. A folder another process is training
+    stops the script (two scripts on the same runs)."""
     stopped = folder / "stopped.txt"
     if not (folder / done).exists() and not stopped.exists():
         cmd = ["train", *flags, "--output", str(folder)]
@@ -69,8 +70,11 @@ def train_run(folder: Path, flags: list[str], done: str = "thresholds.safetensor
         res = subprocess.run([sys.executable, "-m", "ltmp", "--quiet", *cmd], capture_output=True, text=True)
         sys.stdout.write(res.stdout + res.stderr)
         if res.returncode:
+            why = res.stderr.strip().splitlines()[-1].removeprefix("ltmp: error: ")
+            if "in use by another" in why:  # another process trains this run: not this run's outcome, keep nothing
+                raise SystemExit(why)
             folder.mkdir(parents=True, exist_ok=True)
-            stopped.write_text(res.stderr.strip().splitlines()[-1].removeprefix("ltmp: error: ") + "\n")
+            stopped.write_text(why + "\n")
     return stopped.read_text().strip() if stopped.exists() else None
 
 
