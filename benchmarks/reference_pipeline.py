@@ -391,7 +391,7 @@ def summarize(args) -> dict:
             if "stopped" in learned:
                 entry = {"method": method, "scale": scale, "lr": dict(zip(("prune", "merge"), learning_rates(scale)))}
                 out["runs"][name] = {**entry, "code": "ltmp", "stopped": learned["stopped"]}
-                write_json(args.json, out)
+                save(args.json, out)
                 continue
             t = {"thresholds": learned["thresholds"], "masked_correct": None}
             r_flops = learned["r_flops"]
@@ -453,10 +453,15 @@ def summarize(args) -> dict:
             diff = image_test([(1.0, [correct]), (-1.0, [unpack(row["correct"])])])
             entry["baselines"][kind] = {"top1": row["top1"], "gmacs": row["gmacs"], "correct": row["correct"], **diff}
         out["runs"][name] = entry
-        order = [n for n, _, _ in sorted(runs_of(), key=lambda r: (r[1], SCALES[r[2]]))]
-        out["runs"] = {n: out["runs"][n] for n in order if n in out["runs"]}
-        write_json(args.json, out)
+        save(args.json, out)
+    save(args.json, out)  # with the runs kept as recorded after the last one measured
     return out
+
+
+def save(path: str, out: dict) -> None:
+    """The results JSON, its runs in the order of method and learning rate."""
+    order = [n for n, _, _ in sorted(runs_of(), key=lambda r: (r[1], SCALES[r[2]]))]
+    write_json(path, dict(out, runs={n: out["runs"][n] for n in order if n in out["runs"]}))
 
 
 def eval_args(method: str) -> list[str]:
