@@ -14,8 +14,8 @@ scaled to one epoch here), for each seed, this script trains:
 (``importance_p99``, kept as ``importance_p99``) must lie below it. For each run it records how many steps ran, the
 steps at which some prune threshold was at or above ``HIGH`` (a jump that prunes nearly a whole block), the longest
 such spell of one block, how many spells ended before the last step and their median length, the spells still on at
-the last step (their steps and values), the thresholds' range and the final thresholds; ``--json`` keeps them. Runs
-are kept under ``--runs`` and reused.
+the last step (their steps and values), the thresholds' range and the final thresholds; ``--json`` keeps them, with
+the seeds and parity steps it holds from earlier calls at the same setting. Runs are kept under ``--runs`` and reused.
 
     python benchmarks/reference_seeds.py --reference PATH --python REF_PYTHON [--scale 10x] [--seeds 0 1 2]
         [--runs runs/reference-seeds] [--json results/reference_seeds.json]
@@ -162,7 +162,11 @@ def main() -> None:
     )
     args = p.parse_args()
     runs = Path(args.runs)
+    before = json.loads(Path(args.json).read_text()) if Path(args.json).exists() else {}
+    # seeds and parity steps measured before at this setting and HIGH stay unless measured again
+    kept = before if (before.get("scale"), before.get("high")) == (args.scale, HIGH) else {}
     result = {"scale": args.scale, "lr": dict(zip(("prune", "merge"), learning_rates(args.scale))), "high": HIGH}
+    result.update({k: v for k, v in kept.items() if k.startswith(("ours-", "authors-", "parity"))})
     result["importance_p99"] = p99 = importance_p99()
     print(f"99th percentile of patch-token importance per block (unreduced, 256 test images): {p99}", flush=True)
     if max(p99) >= HIGH:
