@@ -69,8 +69,9 @@ def train_run(folder: Path, flags: list[str], done: str = "thresholds.safetensor
         print("$ ltmp " + " ".join(cmd), flush=True)
         res = subprocess.run([sys.executable, "-m", "ltmp", "--quiet", *cmd], capture_output=True, text=True)
         sys.stdout.write(res.stdout + res.stderr)
-        if res.returncode:
-            why = res.stderr.strip().splitlines()[-1].removeprefix("ltmp: error: ")
+        if res.returncode and not (folder / done).exists():  # (finished meanwhile by another process: not stopped)
+            why = (res.stderr.strip().splitlines() or [f"ltmp train exited with {res.returncode}"])[-1]
+            why = why.removeprefix("ltmp: error: ")
             if "in use by another" in why:  # another process trains this run: not this run's outcome, keep nothing
                 raise SystemExit(why)
             folder.mkdir(parents=True, exist_ok=True)

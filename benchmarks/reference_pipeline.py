@@ -375,13 +375,12 @@ def summarize(args) -> dict:
         "planned": [name for name, _, _ in runs_of()],
         "machine": f"x86_64 CPU, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "date": datetime.date.today().isoformat(),  # of this run (runs measured before keep their entries)
-        "runs": {},
     }
     recorded = json.loads(Path(args.json).read_text())["runs"] if Path(args.json).exists() else {}
+    out["runs"] = dict(recorded)  # each write keeps what is not measured again (the file changes only when one is)
     for name, method, scale in runs_of():
         folder = runs / name
         if name in recorded and not (folder / "test.json").exists():  # measured before, elsewhere: kept as it is
-            out["runs"][name] = recorded[name]
             continue
         if args.only and name not in args.only and not (folder / "test.json").exists():
             continue  # not asked for this time, and not run before
@@ -454,7 +453,6 @@ def summarize(args) -> dict:
             entry["baselines"][kind] = {"top1": row["top1"], "gmacs": row["gmacs"], "correct": row["correct"], **diff}
         out["runs"][name] = entry
         save(args.json, out)
-    save(args.json, out)  # with the runs kept as recorded after the last one measured
     return out
 
 
