@@ -40,7 +40,7 @@ def test_train_mode_equals_eval_mode(config, method, options):
     assert max(ev.padded[1:]) < ev.padded[0], "eval mode must really remove tokens"
 
 
-@pytest.mark.parametrize("method", ["ltmp", "ltm"])
+@pytest.mark.parametrize("method", ["ltmp", "ltm", "ltp"])
 def test_attention_in_groups_equals_the_padded_batch(config, method, monkeypatch):
     """On the CPU a padded eval batch runs attention per group of images of similar token counts where that pays;
     nothing else may change."""
