@@ -178,11 +178,11 @@ def attend_in_groups(
         real = torch.arange(n) < counts  # (b, n)
         # each position's row, padding repeating its image's last row: one gather pads, and masked keys (and the
         # padded queries, whose outputs are dropped) make what padding holds irrelevant
-        at = (starts[images][:, None] + torch.minimum(torch.arange(n), counts - 1)).view(-1)  # (b * n,)
-        size = state.size[at].masked_fill(~real.view(-1), 0).view(real.shape)  # (b, n), 0 at padding
+        at = starts[images][:, None] + torch.minimum(torch.arange(n), counts - 1)  # (b, n)
         keep = None if state.merged_once else real
-        o, imp, met = attention(plan, view, cfg, qkv[at].view(*real.shape, -1), size, keep, real, state.merged_once)
-        out[at[real.view(-1)]] = o.view(at.shape[0], -1)[real.view(-1)]
+        size = state.size[at].masked_fill(~real, 0)  # (b, n), 0 at padding
+        o, imp, met = attention(plan, view, cfg, qkv[at], size, keep, real, state.merged_once)  # o (b, n, H * D)
+        out[at[real]] = o[real]
         sel = torch.tensor(images)[:, None]  # (b, 1)
         if imp is not None:
             importance = imp.new_zeros(L.batch, L.length) if importance is None else importance
