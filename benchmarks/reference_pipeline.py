@@ -460,6 +460,7 @@ def save(path: str, out: dict) -> None:
     """The results JSON, its runs in the order of method and learning rate."""
     order = [n for n, _, _ in sorted(runs_of(), key=lambda r: (r[1], SCALES[r[2]]))]
     write_json(path, dict(out, runs={n: out["runs"][n] for n in order if n in out["runs"]}))
+    print(f"wrote {path}", flush=True)
 
 
 def eval_args(method: str) -> list[str]:
@@ -545,7 +546,6 @@ def main() -> None:
     if not args.python:
         p.error("--python: the Python of the reference's environment (timm 0.9.5) is required")
     summarize(args)
-    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
