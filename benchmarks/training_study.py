@@ -175,6 +175,14 @@ PAPER_POINTS: dict[str, dict] = {
         why="a collapsed block's thresholds get little gradient, so the run is likely lost (the reference's blocks "
         "came back after tens of steps at 10x its scaled rate: benchmarks/reference_seeds.py)",
     ),
+    "first-step check": dict(
+        flags=["--no-check-first-step"],
+        methods=("ltmp", "ltp"),
+        where="none (tools/train.py takes every step)",
+        ours="SGD: refuse a first step that moves a threshold by more than its scores' range",
+        why="past the range every score falls on one side and the surrogate gradient (eq. 2) vanishes: the block "
+        "learns little more",
+    ),
 }
 PAPER = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "5e-6", "--merge-init", "0.9"]  # the paper's
 RECIPE = ["--optimizer", "sgd", "--lr-merge", "5e-3", "--lr-prune", "3e-4", "--merge-init", "1.0"]  # reproduce.py

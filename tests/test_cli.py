@@ -468,6 +468,28 @@ def test_no_stop_collapsed_trains_through_a_collapsed_block(tiny_model, tiny_dat
     assert train_config(build_parser().parse_args(paper)).stop_collapsed is False
 
 
+def test_no_check_first_step_takes_a_step_past_the_range(tiny_model, tiny_data, tmp_path, capsys):
+    """An SGD merge rate whose first step would throw the thresholds past their scores' range is refused in one
+    line; --no-check-first-step (and --recipe paper, as the reference code) takes the step, and the clamp keeps every
+    threshold inside the range."""
+    sgd = ("--optimizer", "sgd", "--steps", "2", "--no-eval", "--no-settle")
+    args = train_args(tiny_model, tiny_data, tmp_path / "refused", *sgd)
+    args[args.index("0.05")] = "1e4"
+    code, err = run_cli(args, capsys)
+    assert code == 2 and "more than its scores' whole range [-1, 1]" in err and "give a smaller --lr-merge" in err
+    assert not (tmp_path / "refused" / "thresholds.safetensors").exists()
+    out = tmp_path / "taken"
+    args = train_args(tiny_model, tiny_data, out, *sgd, "--no-check-first-step")
+    args[args.index("0.05")] = "1e4"
+    code, err = run_cli(args, capsys)
+    assert code == 0, err
+    merge = [v for k, v in thresholds_of(out / "thresholds.safetensors").items() if k.startswith("merge")]
+    assert merge and all(-1 <= v <= 1 for v in merge) and any(abs(v) == 1 for v in merge), merge
+    paper = ["train", "--model", "m", "--data-dir", "d", "--output", "o", "--r-target", "0.5", "--recipe", "paper"]
+    assert train_config(build_parser().parse_args(paper)).check_first_step is False
+    assert train_config(build_parser().parse_args(paper[:-2])).check_first_step is True
+
+
 def test_unreadable_images_are_skipped_and_counted(tiny_model, tiny_data, tmp_path, capsys):
     import shutil
 

@@ -197,6 +197,7 @@ def train_config(args):
         distill=args.distill,
         settle=args.settle,
         stop_collapsed=args.stop_collapsed,
+        check_first_step=args.check_first_step,
         batch_size=args.batch_size,
         epochs=args.epochs,
         steps=args.steps,
@@ -864,6 +865,12 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="stop when a block has removed every patch token of every image for 10 steps in a row (default: on; "
         "--no-stop-collapsed trains on, as the reference code does)",
+    )
+    t.add_argument(
+        "--check-first-step",
+        action=argparse.BooleanOptionalAction,
+        help="SGD: refuse a learning rate whose first step would move a threshold by more than its scores' whole "
+        "range (default: on; --no-check-first-step takes the step, as the reference code does)",
     )
     g = t.add_argument_group(
         "recipe points",

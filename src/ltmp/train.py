@@ -97,6 +97,7 @@ class TrainConfig:
     calibrate: bool = False  # start from thresholds bisected to hit r_target on a few images (no training)
     settle: bool = True  # after training, shift the thresholds until clean images meet r_target (within 0.01)
     stop_collapsed: bool = True  # stop when a block has removed every patch token for COLLAPSE_STEPS steps
+    check_first_step: bool = True  # SGD: refuse a first step that would move a threshold past its scores' range
     settle_images: int = 1024  # images for that check: held-out ones with --holdout, else training images
     distill: float = 0.0  # weight w of distillation: task loss (1 - w) CE(labels) + w KL(unreduced model || reduced)
     calibrate_images: int = 256  # images used by the calibration
@@ -649,7 +650,7 @@ def _train(
                 if cfg.budget == "constraint":
                     loss = loss + carry["mu"] * (r - cfg.r_target)
                 scaler.scale(loss).backward()
-                if step == 0 and cfg.optimizer == "sgd":
+                if step == 0 and cfg.optimizer == "sgd" and cfg.check_first_step:
                     check_first_step(model, cfg, steps, given, scaler.get_scale() if scaler.is_enabled() else 1.0)
                 scaler.step(opt)
                 scaler.update()
