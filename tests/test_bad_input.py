@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import ltmp
+import ltmp.demo
 import ltmp.runtime
 import ltmp.train
 from ltmp.cli import build_parser, main
@@ -330,7 +331,7 @@ def test_bad_input_row(row, ws, capsys, monkeypatch):
         def no_work(*args, **kwargs):
             raise AssertionError(f"{row}: a model was built before the refusal")
 
-        for module in (ltmp.runtime, ltmp.train):
+        for module in (ltmp.runtime, ltmp.train, ltmp.demo):  # (each binds create_model at its import)
             monkeypatch.setattr(module, "create_model", no_work)
     code = main(["--quiet", *template.format(**fill).split()])
     err = capsys.readouterr().err
