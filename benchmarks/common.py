@@ -154,6 +154,12 @@ def pack(bits: str) -> str:
     return f"{len(bits)}:{int('1' + bits, 2):x}"
 
 
+def p_text(p: float) -> str:
+    """A p-value for a table: two significant digits, or "< 1e-16" where the normal tail underflows (a
+    difference of dozens of standard errors gives exactly 0)."""
+    return f"{p:.2g}" if p >= 1e-16 else "< 1e-16"
+
+
 def unpack(packed: str) -> str:
     """The '0'/'1' string that :func:`compact` packed."""
     n, value = packed.split(":")

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import DATA, MODEL, ROOT, compact, run, unpack
+from common import DATA, MODEL, ROOT, compact, p_text, run, unpack
 from ltmp.significance import holm, image_test
 from ltmp.thresholds import atomic_write
 
@@ -392,7 +392,7 @@ def emptied_at(run: dict, num_patches: float) -> int | None:
 
 def fmt(t: dict) -> str:
     """A test's difference, 95% interval and Holm-adjusted p."""
-    return f"{t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}, Holm p {t['holm']:.2g})"
+    return f"{t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}, Holm p {p_text(t['holm'])})"
 
 
 def pair(tests: Tests, key: tuple, a: dict | None, b: dict | None) -> dict | None:

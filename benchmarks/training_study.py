@@ -39,7 +39,7 @@ import json
 import re
 from pathlib import Path
 
-from common import DATA, MODEL, ROOT, compact, train_run, unpack
+from common import DATA, MODEL, ROOT, compact, p_text, train_run, unpack
 
 RAW = ROOT / "results" / "training_study.json"
 SAVED: dict | None = None  # --render: RAW's records; nothing is read from the runs or run
@@ -587,7 +587,7 @@ def recipe_table(runs: Path) -> str:
     adjusted = holm([t["p_value"] for _, _, t, _ in tests])
     for (point, m, t, ev), p_holm in zip(tests, adjusted):
         cells[point, m] = (
-            f"{t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}), Holm p {p_holm:.2g}; {run_cells(ev)}"
+            f"{t['diff']:+.2f} ({t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}), Holm p {p_text(p_holm)}; {run_cells(ev)}"
         )
     lines = [
         f"Paper's recipe, r_target {target} (held-out top-1, r_FLOPs, merged / pruned per image): "
