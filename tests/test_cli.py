@@ -46,6 +46,10 @@ def train_args(model, data, out, *extra):
     ]
 
 
+#: ``ltmp train --recipe paper`` with the required options (parsed, not run)
+PAPER = ["train", "--model", "m", "--data-dir", "d", "--output", "o", "--r-target", "0.5", "--recipe", "paper"]
+
+
 def collapsing_args(model, data, out, *extra):
     """:func:`train_args` with an Adam prune step so large that block 1 prunes every patch token from step 2 on."""
     args = train_args(model, data, out, "--steps", "20", "--optimizer", "adam", *extra)
@@ -464,8 +468,7 @@ def test_no_stop_collapsed_trains_through_a_collapsed_block(tiny_model, tiny_dat
     assert code == 0, err
     steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert steps[-1] == 20 and (out / "thresholds.safetensors").exists()
-    paper = ["train", "--model", "m", "--data-dir", "d", "--output", "o", "--r-target", "0.5", "--recipe", "paper"]
-    assert train_config(build_parser().parse_args(paper)).stop_collapsed is False
+    assert train_config(build_parser().parse_args(PAPER)).stop_collapsed is False
 
 
 def test_no_check_first_step_takes_a_step_past_the_range(tiny_model, tiny_data, tmp_path, capsys):
@@ -485,9 +488,8 @@ def test_no_check_first_step_takes_a_step_past_the_range(tiny_model, tiny_data, 
     assert code == 0, err
     merge = [v for k, v in thresholds_of(out / "thresholds.safetensors").items() if k.startswith("merge")]
     assert merge and all(-1 <= v <= 1 for v in merge) and any(abs(v) == 1 for v in merge), merge
-    paper = ["train", "--model", "m", "--data-dir", "d", "--output", "o", "--r-target", "0.5", "--recipe", "paper"]
-    assert train_config(build_parser().parse_args(paper)).check_first_step is False
-    assert train_config(build_parser().parse_args(paper[:-2])).check_first_step is True
+    assert train_config(build_parser().parse_args(PAPER)).check_first_step is False
+    assert train_config(build_parser().parse_args(PAPER[:-2])).check_first_step is True
 
 
 def test_unreadable_images_are_skipped_and_counted(tiny_model, tiny_data, tmp_path, capsys):
